@@ -1,0 +1,263 @@
+"""The graft adapter layer: applies ``gamma * (theta_ft - theta_pre)`` to the parameters of any module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.tuners._buffer_dict import BufferDict
+from torch import nn
+
+
+class GraftLayer(nn.Module, BaseTunerLayer):
+    """Wraps one module and grafts sparse entries onto its parameters.
+
+    The layer *stores* the entries of the tensors in ``stored_attrs`` (a flat index space: those tensors flattened
+    and concatenated in order) and *applies* them together with the entries of tied tensors stored on other layers
+    (``tied_sources``), so a tensor shared by several modules is stored once and used consistently everywhere.
+
+    Per adapter it holds either a hard region (``graft_indices``, sorted, and fp32 ``graft_values`` = theta_ft -
+    theta_pre there), or, while :class:`~peft_graft.MaskTrainer` learns the region, the dense training state of paper
+    Eq. 4: scores ``S`` (``graft_scores``), movement ``theta_ft - theta_pre`` (``graft_movement``) and the candidate
+    region ``gamma_base`` (``graft_base_region``). Only the hard region is ever saved.
+    """
+
+    adapter_layer_names = ("graft_values", "graft_scores")
+    other_param_names = ("graft_indices", "graft_movement", "graft_base_region")
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        stored_attrs: list[str],
+        tied_sources: dict[str, tuple[GraftLayer, str]],
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.graft_values = nn.ParameterDict()
+        self.graft_indices = BufferDict(persistent=True)
+        self.graft_scores = nn.ParameterDict()
+        self.graft_movement = BufferDict(persistent=False)
+        self.graft_base_region = BufferDict(persistent=False)
+        self.stored_attrs = list(stored_attrs)
+        self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
+        self.fingerprints: dict[str, list[float]] = {}
+        self.verify_base: dict[str, bool] = {}
+        self._merge_backup: dict[str, list[torch.Tensor]] = {}
+        self._disable_adapters = False
+        self.merged_adapters = []
+        sizes = [getattr(base_layer, attr).numel() for attr in self.stored_attrs]
+        self.offsets = torch.tensor([0, *torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()])
+
+    # ----------------------------------------------------------------------------------------------- state
+    @property
+    def num_stored(self) -> int:
+        """Size of this layer's flat index space."""
+        return int(self.offsets[-1])
+
+    def index_dtype(self) -> torch.dtype:
+        return torch.int64 if self.num_stored > torch.iinfo(torch.int32).max else torch.int32
+
+    def update_layer(self, adapter_name: str, num_entries: int, fingerprint: list[float], verify_base: bool) -> None:
+        """Create an empty hard region of ``num_entries`` entries, to be filled by loading or :meth:`set_region`."""
+        device = self._device()
+        self.graft_indices[adapter_name] = torch.zeros(num_entries, dtype=self.index_dtype(), device=device)
+        self.graft_values[adapter_name] = nn.Parameter(torch.zeros(num_entries, device=device))
+        self.fingerprints[adapter_name] = list(fingerprint)
+        self.verify_base[adapter_name] = verify_base
+
+    def set_region(self, adapter_name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the hard region: sorted flat ``indices`` into this layer's space and fp32 ``values`` there."""
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_stored):
+            raise ValueError(f"Graft indices out of range [0, {self.num_stored}) for adapter {adapter_name!r}.")
+        device = self._device()
+        requires_grad = adapter_name in self.graft_values and self.graft_values[adapter_name].requires_grad
+        self.graft_indices[adapter_name] = indices.to(device, self.index_dtype())
+        self.graft_values[adapter_name] = nn.Parameter(values.to(device, torch.float32), requires_grad=requires_grad)
+        self.fingerprints[adapter_name] = self.base_values(indices[:2]).tolist()
+        self.verify_base.setdefault(adapter_name, True)
+
+    def set_training_state(
+        self, adapter_name: str, movement: torch.Tensor, base_region: torch.Tensor, score_init: float
+    ) -> None:
+        """Dense state to learn the region: movement over this layer's space, ``gamma_base`` indices, scores S."""
+        device = self._device()
+        self.graft_movement[adapter_name] = movement.to(device, torch.float32)
+        self.graft_base_region[adapter_name] = base_region.to(device, torch.int64)
+        self.graft_scores[adapter_name] = nn.Parameter(torch.full_like(self.graft_movement[adapter_name], score_init))
+
+    def gamma(self, adapter_name: str) -> torch.Tensor:
+        """Paper Eq. 4: ``gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)``, dense."""
+        gamma = torch.sigmoid(self.graft_scores[adapter_name])
+        base = self.graft_base_region[adapter_name]
+        return gamma.index_put((base,), 1.0 - gamma[base])
+
+    def harden(self, adapter_name: str, num_entries: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hard region of the learned state: ``round(gamma)`` (or the top ``num_entries`` of ``gamma``)."""
+        with torch.no_grad():
+            gamma = self.gamma(adapter_name)
+            moved = self.graft_movement[adapter_name] != 0
+            if num_entries is None:
+                indices = ((gamma >= 0.5) & moved).nonzero().reshape(-1)
+            else:
+                indices = torch.sort(torch.topk(torch.where(moved, gamma, -1.0), num_entries).indices).values
+            return indices, self.graft_movement[adapter_name][indices]
+
+    def drop_training_state(self, adapter_name: str) -> None:
+        for container in (self.graft_scores, self.graft_movement, self.graft_base_region):
+            if adapter_name in container:
+                del container[adapter_name]
+
+    def is_training_region(self, adapter_name: str) -> bool:
+        return adapter_name in self.graft_scores
+
+    def base_values(self, indices: torch.Tensor) -> torch.Tensor:
+        """Current values of the stored tensors at flat ``indices`` (as fp32)."""
+        out = torch.empty(indices.numel(), dtype=torch.float32)
+        for attr, local, position in self._split(indices):
+            out[position] = getattr(self.base_layer, attr).detach().reshape(-1)[local.to(torch.int64)].float().cpu()
+        return out
+
+    def _split(self, indices: torch.Tensor):
+        """Yield ``(attr, local indices, positions in indices)`` per stored tensor, for sorted flat ``indices``."""
+        bounds = torch.searchsorted(indices.to(torch.int64).cpu(), self.offsets).tolist()
+        for i, attr in enumerate(self.stored_attrs):
+            if bounds[i + 1] > bounds[i]:
+                position = slice(bounds[i], bounds[i + 1])
+                yield attr, indices[position].to(torch.int64) - int(self.offsets[i]), position
+
+    def sparse_entries(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(local indices, values)`` of the hard region of ``adapter_name`` in stored tensor ``attr``."""
+        indices, values = self.graft_indices[adapter_name], self.graft_values[adapter_name]
+        for name, local, position in self._split(indices):
+            if name == attr:
+                return local, values[position]
+        return None
+
+    def _device(self) -> torch.device:
+        param = next(self.base_layer.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
+        # Values stay fp32 whatever the base dtype (exactness), indices stay integers: move devices only.
+        device = device or self._device()
+        for name in self.adapter_layer_names + self.other_param_names:
+            container = getattr(self, name)
+            if adapter_name in container and container[adapter_name].device != device:
+                item = container[adapter_name]
+                container[adapter_name] = (
+                    nn.Parameter(item.to(device), requires_grad=item.requires_grad)
+                    if isinstance(item, nn.Parameter)
+                    else item.to(device)
+                )
+
+    # ----------------------------------------------------------------------------------------------- checks
+    def check_base(self, adapter_name: str) -> None:
+        """Refuse to apply a graft made for other pre-trained values (see ``GraftConfig.verify_base``)."""
+        expected = self.fingerprints.get(adapter_name)
+        if not expected or not self.verify_base.get(adapter_name, True) or self.is_training_region(adapter_name):
+            return
+        indices = self.graft_indices[adapter_name][: len(expected)]
+        found = self.base_values(indices)
+        for attr, local, position in self._split(indices):
+            dtype = getattr(self.base_layer, attr).dtype
+            want = torch.tensor(expected[position], dtype=torch.float32).to(dtype).float()
+            if not torch.equal(found[position], want):
+                raise ValueError(
+                    f"Graft {adapter_name!r} was made for a different pre-trained model: tensor {attr!r} of "
+                    f"{type(self.base_layer).__name__} holds {found[position].tolist()} at entries {local.tolist()}, "
+                    f"the graft expects {want.tolist()}. Load it onto the base it was made from, or override: "
+                    "config = GraftConfig.from_pretrained(path); config.verify_base = False; "
+                    "PeftModel.from_pretrained(model, path, config=config)."
+                )
+        self.verify_base[adapter_name] = False  # checked once
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def _contribution(self, adapter_name: str, attr: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Dense ``gamma * movement`` while training, else the sparse ``(indices, values)`` of tensor ``attr``."""
+        if adapter_name not in self.graft_values and adapter_name not in self.graft_scores:
+            return None
+        if self.is_training_region(adapter_name):
+            i = self.stored_attrs.index(attr)
+            dense = self.gamma(adapter_name) * self.graft_movement[adapter_name]
+            return dense[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        self.check_base(adapter_name)
+        return self.sparse_entries(adapter_name, attr)
+
+    def effective_parameters(self, adapter_names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameters of the base layer with the given adapters grafted on, for those that change."""
+        sources = {attr: (self, attr) for attr in self.stored_attrs} | self.tied_sources
+        overrides = {}
+        for attr, (layer, source_attr) in sources.items():
+            param = getattr(self.base_layer, attr)
+            value = param
+            for adapter_name in adapter_names:
+                contribution = layer._contribution(adapter_name, source_attr)
+                if contribution is None:
+                    continue
+                if isinstance(contribution, torch.Tensor):
+                    value = (value.float() + contribution.view_as(value)).to(param.dtype)
+                else:
+                    indices, values = contribution
+                    flat = value.reshape(-1)
+                    value = flat.index_put((indices,), (flat[indices].float() + values).to(param.dtype)).view_as(param)
+            if value is not param:
+                overrides[attr] = value
+        return overrides
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(*args, **kwargs)
+        if self.merged:
+            return self.base_layer(*args, **kwargs)
+        overrides = self.effective_parameters(self.active_adapters)
+        if not overrides:
+            return self.base_layer(*args, **kwargs)
+        return torch.func.functional_call(self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False)
+
+    # ----------------------------------------------------------------------------------------------- merging
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Write the grafted values into the base tensors (exactly: unmerge restores the saved originals)."""
+        for adapter_name in check_adapters_to_merge(self, adapter_names):
+            if self.is_training_region(adapter_name):
+                raise ValueError(f"Adapter {adapter_name!r} is still learning its region: harden it before merging.")
+            # A layer storing nothing for this adapter (e.g. only applying a tied tensor) still records the merge,
+            # so that its forward does not apply the (already merged) tied entries again.
+            stored_here = adapter_name in self.graft_values
+            if stored_here:
+                self.check_base(adapter_name)
+            backup = []
+            for attr in self.stored_attrs:
+                entries = self.sparse_entries(adapter_name, attr) if stored_here else None
+                if entries is None:
+                    backup.append(None)
+                    continue
+                indices, values = entries
+                flat = getattr(self.base_layer, attr).data.view(-1)
+                original = flat[indices].clone()
+                merged = (original.float() + values.detach()).to(flat.dtype)
+                if safe_merge and not torch.isfinite(merged).all():
+                    raise ValueError(f"NaNs detected in the merged weights of adapter {adapter_name!r}.")
+                flat[indices] = merged
+                backup.append(original)
+            self._merge_backup[adapter_name] = backup
+            self.merged_adapters.append(adapter_name)
+
+    def unmerge(self) -> None:
+        """Restore the base tensors bit for bit, most recently merged adapter first."""
+        while self.merged_adapters:
+            adapter_name = self.merged_adapters.pop()
+            for attr, original in zip(self.stored_attrs, self._merge_backup.pop(adapter_name), strict=True):
+                if original is not None:
+                    indices, _ = self.sparse_entries(adapter_name, attr)
+                    getattr(self.base_layer, attr).data.view(-1)[indices] = original
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        self.fingerprints.pop(adapter_name, None)
+        self.verify_base.pop(adapter_name, None)
+
+    def __repr__(self) -> str:
+        return "graft." + super().__repr__()

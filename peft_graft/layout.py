@@ -1,0 +1,102 @@
+"""Where each parameter tensor of a model lives, is used, and is stored in a graft.
+
+A tensor can be registered on several modules (tied weights: RoBERTa's MLM decoder and word embeddings, a causal LM's
+output head and input embeddings). A graft stores each tensor's entries once, on its *storage module*, and applies
+them on every *application module*: the leaf modules that register it (their forward is where it is used), or the
+registering module itself when no leaf does. Everything here derives from the model structure alone, so saving and
+loading agree without storing any of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One unique parameter tensor."""
+
+    name: str  # canonical name: the first registration, as in ``model.named_parameters()``
+    module: str  # storage module
+    attr: str  # attribute name on the storage module
+    aliases: tuple[str, ...]  # every registered name, canonical first
+    parameter: nn.Parameter
+
+
+@dataclass
+class Layout:
+    """Structure of a model as seen by grafts."""
+
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)  # canonical name -> info
+    stored: dict[str, list[str]] = field(default_factory=dict)  # storage module -> attrs stored there, in order
+    tied: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)  # module -> attr -> (module, attr)
+    unsupported: list[str] = field(default_factory=list)  # tensors used directly by a non-leaf module
+    by_site: dict[tuple[str, str], TensorInfo] = field(default_factory=dict)  # (storage module, attr) -> info
+
+    def offsets(self, module: str) -> dict[str, int]:
+        """Start of each stored tensor in ``module``'s flat index space (its tensors flattened and concatenated)."""
+        starts, position = {}, 0
+        for attr in self.stored[module]:
+            starts[attr] = position
+            position += self.by_site[(module, attr)].parameter.numel()
+        return starts
+
+    def application_modules(self, storage_modules: set[str]) -> set[str]:
+        """Every module that must be wrapped to apply grafts stored on ``storage_modules``."""
+        modules = set(storage_modules)
+        for user, attrs in self.tied.items():
+            if any(src_module in storage_modules for src_module, _ in attrs.values()):
+                modules.add(user)
+        return modules
+
+
+def _normalize(name: str) -> str:
+    """Module name without peft's ``.base_layer`` wrapping levels."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+def build_layout(model: nn.Module) -> Layout:
+    """Analyse ``model`` (plain or already carrying graft layers) into a :class:`Layout`."""
+    skip_prefixes: list[str] = []
+    registrations: dict[int, list[tuple[str, str, bool, nn.Parameter]]] = {}
+    for name, module in model.named_modules():
+        if any(name.startswith(p) for p in skip_prefixes):
+            continue
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            skip_prefixes.append(name + ".")  # modules_to_save: stored whole, never grafted
+            continue
+        if isinstance(module, BaseTunerLayer):
+            # Only the wrapped base layer holds model parameters; skip the adapter containers.
+            skip_prefixes.extend(f"{name}.{child}" for child, _ in module.named_children() if child != "base_layer")
+            continue
+        is_leaf = next(module.children(), None) is None
+        for attr, param in module._parameters.items():
+            if param is not None:
+                registrations.setdefault(id(param), []).append((_normalize(name), attr, is_leaf, param))
+
+    layout = Layout()
+    for regs in registrations.values():
+        aliases = tuple(f"{m}.{a}" if m else a for m, a, _, _ in regs)
+        sites = [(m, a) for m, a, leaf, _ in regs if leaf]
+        if not sites:
+            # Used directly in a parent's forward: wrapping a parent would hide its children from peft's injection.
+            layout.unsupported.append(aliases[0])
+            continue
+        (module, attr), param = sites[0], regs[0][3]
+        info = TensorInfo(aliases[0], module, attr, aliases, param)
+        layout.tensors[info.name] = layout.by_site[(module, attr)] = info
+        layout.stored.setdefault(module, []).append(attr)
+        for user_module, user_attr in sites[1:]:
+            layout.tied.setdefault(user_module, {})[user_attr] = (module, attr)
+    if layout.unsupported:
+        logger.warning(
+            "These parameters are used directly by non-leaf modules and cannot be grafted: %s", layout.unsupported
+        )
+    return layout

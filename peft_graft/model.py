@@ -1,0 +1,416 @@
+"""The graft tuner: chooses the region, wraps modules, saves and loads sparse grafts."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner
+from peft.utils.other import ModulesToSaveWrapper
+from safetensors.torch import load_file
+from torch import nn
+
+from .config import GraftConfig
+from .layer import GraftLayer
+from .layout import Layout, build_layout
+from .movement import candidate_tensors, compute_movement, finetuned_tensor, is_saved_whole, load_finetuned
+from .regions import Region, global_top_k, random_region, top_k_movement
+from .registration import GRAFT_PREFIX
+
+PEFT_PREFIX = "base_model.model."
+COMBINATION_RULES = ("average", "sum", "first", "last")
+
+
+@dataclass
+class _Plan:
+    """What injecting one adapter does, decided before peft walks the modules."""
+
+    layout: Layout
+    targets: set[str]
+    entries: dict[str, int] = field(default_factory=dict)  # storage module -> number of grafted entries
+    regions: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (idx, values)
+    training: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (movement, base)
+    head: dict[str, torch.Tensor] = field(default_factory=dict)  # theta_ft of modules_to_save tensors
+
+
+class GraftModel(BaseTuner):
+    """Grafts sparse regions of a fine-tuned model onto a pre-trained one (Panigrahi et al., ICML 2023).
+
+    Created through ``peft.get_peft_model(model, GraftConfig(finetuned=..., sparsity=...))`` once ``peft_graft`` is
+    imported. Every parameter tensor of the model can be grafted (Linear, GPT-2 Conv1D, embeddings, norms, biases,
+    tied weights), each tensor once.
+    """
+
+    prefix: str = GRAFT_PREFIX
+    tuner_layer_cls = GraftLayer
+    target_module_mapping: dict = {}
+
+    # ------------------------------------------------------------------------------------------ injection
+    def inject_adapter(
+        self,
+        model: nn.Module,
+        adapter_name: str,
+        autocast_adapter_dtype: bool = True,
+        low_cpu_mem_usage: bool = False,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        config: GraftConfig = self.peft_config[adapter_name]
+        layout = build_layout(model)
+        self._plan = (
+            self._plan_from_config(config, layout) if config.is_created else self._new_plan(model, config, layout)
+        )
+        # The config fully determines the targets; peft's key-based injection from a state dict would miss tied users.
+        super().inject_adapter(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict=None)
+        if not config.is_created:
+            self._finish_creation(model, config, adapter_name)
+        del self._plan
+
+    def _prepare_adapter_config(self, peft_config: GraftConfig, model_config: dict) -> GraftConfig:
+        return peft_config  # targets come from the plan, not from target_modules
+
+    def _check_target_module_exists(self, peft_config: GraftConfig, key: str) -> bool:
+        return key in self._plan.targets
+
+    def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs) -> None:
+        plan = self._plan
+        tied = {}
+        for attr, (module, source_attr) in plan.layout.tied.get(current_key, {}).items():
+            source = self.model.get_submodule(module)  # storage modules come first in module order
+            if isinstance(source, GraftLayer):
+                tied[attr] = (source, source_attr)
+        if isinstance(target, GraftLayer):
+            layer = target
+            layer.tied_sources.update(tied)
+        else:
+            layer = GraftLayer(target, plan.layout.stored.get(current_key, []), tied)
+            self._replace_module(parent, target_name, layer, target)
+        if current_key in plan.regions:
+            layer.set_region(adapter_name, *plan.regions[current_key])
+        elif current_key in plan.entries:
+            fingerprint = config.base_fingerprint.get(current_key, [])
+            layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base)
+        if current_key in plan.training:
+            movement, base_region = plan.training[current_key]
+            layer.set_training_state(adapter_name, movement, base_region, config.score_init)
+        if adapter_name not in self.active_adapters:
+            layer.requires_grad_(False)
+
+    def _replace_module(self, parent, child_name, new_module, child) -> None:
+        if isinstance(new_module, GraftLayer):
+            return super()._replace_module(parent, child_name, new_module, child)
+        # Unloading gives back a module as it is (a base layer, or a modules_to_save copy such as RoBERTa's head,
+        # which has no `.weight` for peft's default to rebind): nothing to rebind or move.
+        setattr(parent, child_name, new_module)
+        return None
+
+    # ------------------------------------------------------------------------------------------ planning
+    def _plan_from_config(self, config: GraftConfig, layout: Layout) -> _Plan:
+        unknown = sorted(set(config.grafted_modules) - set(layout.stored))
+        if unknown:
+            raise ValueError(
+                f"This graft was made for another architecture: modules {unknown[:5]} hold no parameter of this model."
+            )
+        return _Plan(layout, layout.application_modules(set(config.grafted_modules)), dict(config.grafted_modules))
+
+    def _new_plan(self, model: nn.Module, config: GraftConfig, layout: Layout) -> _Plan:
+        if config._finetuned is None:
+            raise ValueError("GraftConfig needs finetuned=<model, path, Hub id or state dict> to create a graft.")
+        state = load_finetuned(config._finetuned, model)
+        movement = compute_movement(state, layout, candidate_tensors(layout, config), config.only_moved)
+        if not movement:
+            raise ValueError("No eligible tensor moved during fine-tuning: check finetuned and the parameter filters.")
+        region = self._choose_region(config, layout, movement)
+        plan = _Plan(layout, set())
+        pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, indices in region.items():
+            info = layout.tensors[name]
+            start = layout.offsets(info.module)[info.attr]
+            pieces.setdefault(info.module, []).append((indices + start, movement[name].reshape(-1)[indices]))
+        for module, parts in pieces.items():
+            indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            order = indices.argsort()
+            plan.regions[module] = (indices[order], values[order])
+        if config.learn_region:
+            for module in {layout.tensors[name].module for name in movement}:
+                flat = [
+                    movement[info.name].reshape(-1) if info.name in movement else torch.zeros(info.parameter.numel())
+                    for info in (layout.by_site[(module, attr)] for attr in layout.stored[module])
+                ]
+                empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+                plan.training[module] = (torch.cat(flat), plan.regions.get(module, empty)[0])
+                plan.regions.setdefault(module, empty)
+        plan.entries = {m: int(idx.numel()) for m, (idx, _) in plan.regions.items()}
+        plan.targets = layout.application_modules(set(plan.regions))
+        for name, info in layout.tensors.items():  # whole tensors of modules_to_save (e.g. a new head)
+            if info.parameter.is_floating_point() and name not in movement and self._saved_whole(config, info):
+                plan.head[name] = finetuned_tensor(state, layout, name)
+        return plan
+
+    @staticmethod
+    def _saved_whole(config: GraftConfig, info) -> bool:
+        return any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases)
+
+    @staticmethod
+    def _choose_region(config: GraftConfig, layout: Layout, movement: dict[str, torch.Tensor]) -> Region:
+        if config.region == "empty":
+            return Region()
+        if config.region == "given":
+            return _given_region(config._given_region, layout, movement)
+        if config.region == "bias":
+            movement = {n: d for n, d in movement.items() if layout.tensors[n].attr == "bias"}
+            if not movement:
+                raise ValueError('region="bias" but no eligible bias moved during fine-tuning.')
+        k = config.budget(sum(d.numel() for d in movement.values()))
+        if config.region == "random":
+            return random_region({n: d.numel() for n, d in movement.items()}, k, config.seed)
+        return top_k_movement(movement, k)
+
+    def _finish_creation(self, model: nn.Module, config: GraftConfig, adapter_name: str) -> None:
+        for name, tensor in self._plan.head.items():
+            copy = _modules_to_save_tensor(model, name, adapter_name)
+            if copy is None:
+                raise ValueError(f"{name!r} belongs to modules_to_save but peft did not wrap its module.")
+            copy.data.copy_(tensor)
+        _record_layout(model, config, adapter_name)
+        config._finetuned = config._given_region = None  # theta_ft is never needed again
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(["graft", "skill-localization"])
+
+    # ------------------------------------------------------------------------------------------ regions
+    def graft_layers(self) -> dict[str, GraftLayer]:
+        """Graft layers by module name (relative to the base model)."""
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, GraftLayer)}
+
+    def get_region(self, adapter_name: str | None = None) -> Region:
+        """The hard region of an adapter, by parameter name (a learning adapter is rounded, paper section 3)."""
+        adapter_name = adapter_name or self.active_adapters[0]
+        self._check_adapter(adapter_name)
+        layout = build_layout(self.model)
+        region = {}
+        for module, layer in self.graft_layers().items():
+            indices, _ = _layer_entries(layer, adapter_name)
+            for attr, local, _ in layer._split(indices):
+                region[layout.by_site[(module, attr)].name] = local
+        return Region(region)
+
+    def harden_region(self, adapter_name: str | None = None, num_entries: int | None = None) -> int:
+        """Turn a learned region into a hard sparse graft (``round(gamma)``, or the top ``num_entries`` of gamma).
+
+        Returns the number of grafted entries. The dense training state is released.
+        """
+        adapter_name = adapter_name or self.active_adapters[0]
+        layers = {m: layer for m, layer in self.graft_layers().items() if layer.is_training_region(adapter_name)}
+        if not layers:
+            raise ValueError(f"Adapter {adapter_name!r} has no region being learned (GraftConfig(learn_region=True)).")
+        hardened = None
+        if num_entries is not None:
+            moved = sum(int((layer.graft_movement[adapter_name] != 0).sum()) for layer in layers.values())
+            if not 1 <= num_entries <= moved:
+                raise ValueError(f"num_entries={num_entries} must lie in [1, {moved}] (the moved entries).")
+            hardened = _harden_exact(layers, adapter_name, num_entries)
+        total = 0
+        for module, layer in layers.items():
+            indices, values = hardened[module] if hardened else layer.harden(adapter_name)
+            layer.drop_training_state(adapter_name)
+            layer.set_region(adapter_name, indices, values)
+            total += int(indices.numel())
+        _record_layout(self.model, self.peft_config[adapter_name], adapter_name)
+        self.peft_config[adapter_name].learn_region = False
+        return total
+
+    def add_combined_adapter(
+        self,
+        adapter_names: list[str],
+        combined_name: str,
+        combination: str | Callable[[torch.Tensor], torch.Tensor] = "average",
+    ) -> Region:
+        """Add an adapter grafting the union of several grafts' regions (paper section 5.1, "region unions").
+
+        On entries in several regions the values are combined by ``combination``: ``"average"`` (default),
+        ``"sum"``, ``"first"``, ``"last"``, or a callable mapping a ``(num_grafts_there, n)`` tensor to ``(n,)``.
+        peft's ``add_weighted_adapter`` only exists for LoRA-like methods, hence this method.
+        """
+        if combined_name in self.peft_config:
+            raise ValueError(f"An adapter named {combined_name!r} already exists.")
+        if not callable(combination) and combination not in COMBINATION_RULES:
+            raise ValueError(f"Unknown combination={combination!r}: use one of {COMBINATION_RULES} or a callable.")
+        for name in adapter_names:
+            self._check_adapter(name)
+        config = copy.copy(self.peft_config[adapter_names[0]])
+        config.inference_mode, config.learn_region = True, False
+        self.peft_config[combined_name] = config
+        regions = {}
+        for module, layer in self.graft_layers().items():
+            entries = [_layer_entries(layer, name) for name in adapter_names]
+            indices = torch.unique(torch.cat([e[0].to(torch.int64) for e in entries]))
+            if indices.numel() == 0:
+                continue
+            stacked = torch.full((len(entries), indices.numel()), torch.nan)
+            for row, (idx, val) in enumerate(entries):
+                stacked[row, torch.searchsorted(indices, idx.to(torch.int64))] = val.detach().float()
+            regions[module] = (indices, _combine(stacked, combination))
+        for module, (indices, values) in regions.items():
+            layer = self.model.get_submodule(module)
+            layer.set_region(combined_name, indices, values)
+            layer.graft_values[combined_name].requires_grad_(False)
+        _record_layout(self.model, config, combined_name)
+        self.model.peft_config = self.peft_config
+        return self.get_region(combined_name)
+
+    def graft_stats(self, adapter_name: str | None = None):
+        """Grafted entries per tensor, layer and module type, and overall sparsity (see :class:`GraftStats`)."""
+        from .stats import compute_graft_stats
+
+        adapter_name = adapter_name or self.active_adapters[0]
+        self._check_adapter(adapter_name)
+        return compute_graft_stats(self.model, self.get_region(adapter_name), adapter_name)
+
+    def _check_adapter(self, adapter_name: str) -> None:
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"No adapter named {adapter_name!r}; existing: {sorted(self.peft_config)}.")
+
+    # ------------------------------------------------------------------------------------------ saving / loading
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        """Only the hard region is saved; a region still being learned is rounded first (paper section 3)."""
+        out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        out = {k: v for k, v in out.items() if f".{GRAFT_PREFIX}scores." not in k}
+        for name, module in model.named_modules():
+            if isinstance(module, GraftLayer) and module.is_training_region(adapter_name):
+                indices, values = module.harden(adapter_name)
+                out[f"{name}.graft_indices.{adapter_name}"] = indices.to(module.index_dtype())
+                out[f"{name}.graft_values.{adapter_name}"] = values
+        _record_layout(model, config, adapter_name)
+        return out
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        """Check the checkpoint against the config and the model before anything is loaded."""
+        layers = {n.removeprefix(PEFT_PREFIX): m for n, m in model.named_modules() if isinstance(m, GraftLayer)}
+        for module, count in config.grafted_modules.items():
+            indices = state_dict.get(f"{PEFT_PREFIX}{module}.graft_indices", state_dict.get(f"{module}.graft_indices"))
+            values = state_dict.get(f"{PEFT_PREFIX}{module}.graft_values", state_dict.get(f"{module}.graft_values"))
+            if indices is None or values is None:
+                raise ValueError(f"The adapter file has no graft entries for module {module!r}: it is incomplete.")
+            validate_entries(indices, values, count, layers[module].num_stored, module)
+        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+
+
+def validate_entries(indices: torch.Tensor, values: torch.Tensor, count: int, num_stored: int, module: str) -> None:
+    """Raise a clear error for graft entries that do not fit their module."""
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"Graft indices of module {module!r} have dtype {indices.dtype}; expected int32 or int64.")
+    if indices.shape != (count,) or values.shape != (count,):
+        raise ValueError(
+            f"Module {module!r}: the adapter config records {count} grafted entries but the file holds "
+            f"{tuple(indices.shape)} indices and {tuple(values.shape)} values: config and weights do not match."
+        )
+    if count and (int(indices.min()) < 0 or int(indices.max()) >= num_stored):
+        raise ValueError(f"Graft indices of module {module!r} fall outside [0, {num_stored}): the file is corrupt.")
+    if count > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError(f"Graft indices of module {module!r} are not strictly increasing: the file is corrupt.")
+    if not torch.isfinite(values).all():
+        raise ValueError(f"Graft values of module {module!r} contain NaN or inf: the file is corrupt.")
+
+
+def _layer_entries(layer: GraftLayer, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if layer.is_training_region(adapter_name):
+        return layer.harden(adapter_name)
+    if adapter_name in layer.graft_indices:
+        return layer.graft_indices[adapter_name], layer.graft_values[adapter_name]
+    return torch.empty(0, dtype=torch.int64), torch.empty(0)
+
+
+def _harden_exact(layers: dict[str, GraftLayer], adapter_name: str, k: int) -> dict[str, tuple]:
+    """Exactly ``k`` moved entries of largest gamma over all layers (ties by module order, then index)."""
+    with torch.no_grad():
+        gammas = {
+            module: torch.where(layer.graft_movement[adapter_name] != 0, layer.gamma(adapter_name), -1.0)
+            for module, layer in layers.items()
+        }
+        region = global_top_k(gammas, k)
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+        return {
+            module: (region[module], layer.graft_movement[adapter_name][region[module]]) if module in region else empty
+            for module, layer in layers.items()
+        }
+
+
+def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
+    present = ~torch.isnan(stacked)
+    if callable(combination):
+        return combination(stacked)
+    if combination == "sum":
+        return torch.nansum(stacked, 0)
+    if combination == "average":
+        return torch.nansum(stacked, 0) / present.sum(0)
+    rows = (
+        present.float().argmax(0)
+        if combination == "first"
+        else stacked.shape[0] - 1 - present.flip(0).float().argmax(0)
+    )
+    return stacked.gather(0, rows.unsqueeze(0)).squeeze(0)
+
+
+def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> None:
+    """Store the per-module entry counts and base fingerprint of an adapter in its config (needed to load it)."""
+    counts, fingerprints = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, GraftLayer):
+            indices, _ = _layer_entries(module, adapter_name)
+            if indices.numel():
+                key = name.removeprefix(PEFT_PREFIX)
+                counts[key] = int(indices.numel())
+                fingerprints[key] = module.base_values(indices[:2]).tolist()
+    config.grafted_modules, config.base_fingerprint = counts, fingerprints
+
+
+def _modules_to_save_tensor(model: nn.Module, name: str, adapter_name: str) -> nn.Parameter | None:
+    """The trainable copy, inside its ModulesToSaveWrapper, of the base model tensor ``name``."""
+    parts, module = name.split("."), model
+    for cut, part in enumerate(parts[:-1], 1):
+        module = module._modules.get(part)
+        if module is None:
+            return None
+        if isinstance(module, ModulesToSaveWrapper):
+            copies = module.modules_to_save
+            return copies[adapter_name].get_parameter(".".join(parts[cut:])) if adapter_name in copies else None
+    return None
+
+
+def _given_region(given: object, layout: Layout, movement: dict[str, torch.Tensor]) -> Region:
+    """A user region: boolean masks by parameter name, a Region, or the path of a saved graft."""
+    if isinstance(given, (str, os.PathLike)):
+        given = _region_from_saved(os.fspath(given), layout)
+    elif isinstance(given, dict):
+        given = Region.from_masks(given)
+    if not isinstance(given, Region):
+        raise TypeError(f"given_region must be masks, a Region or a saved graft path, got {type(given).__name__}.")
+    for name, indices in given.items():
+        if name not in movement:
+            raise ValueError(
+                f"The given region covers {name!r}, which is not an eligible tensor that fine-tuning moved."
+            )
+        if int(indices.max()) >= movement[name].numel():
+            raise ValueError(f"The given region indexes {name!r} beyond its {movement[name].numel()} entries.")
+    if given.num_entries == 0:
+        raise ValueError("The given region is empty.")
+    return given
+
+
+def _region_from_saved(path: str, layout: Layout) -> Region:
+    config = GraftConfig.from_pretrained(path)
+    weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+    region = {}
+    for module in config.grafted_modules:
+        indices = weights[f"{PEFT_PREFIX}{module}.graft_indices"].to(torch.int64)
+        bounds = layout.offsets(module)
+        for attr, start in bounds.items():
+            info = layout.by_site[(module, attr)]
+            mask = (indices >= start) & (indices < start + info.parameter.numel())
+            if mask.any():
+                region[info.name] = indices[mask] - start
+    return Region(region)

@@ -1,0 +1,149 @@
+"""Atomic saves and the model card of graft adapters.
+
+peft writes adapter files in place and offers no hook around ``save_pretrained``, so :func:`install` wraps
+``PeftModel.save_pretrained`` and ``PeftModel.push_to_hub``; models without a graft adapter take the original path.
+
+- ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
+  ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves.
+  An interrupted save leaves the previous adapter, or none, never a half-written file.
+- The model card keeps peft's fields (``library_name: peft``, ``base_model``) and gains the tags ``graft`` and
+  ``skill-localization`` and a section with the number of grafted entries and the sparsity of each adapter.
+- transformers' ``push_to_hub`` replaces the saved card with a generic ``library_name: transformers`` one; for graft
+  adapters the folder written by ``save_pretrained`` is uploaded as it is, with ``HfApi.upload_folder``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import tempfile
+from contextlib import contextmanager
+
+from huggingface_hub import HfApi, ModelCard
+from peft import PeftModel
+
+from .registration import GRAFT_NAME
+
+CARD_TAGS = ("graft", "skill-localization")
+CONFIG_NAME = "adapter_config.json"
+CARD_SECTION = "## Graft"
+
+
+def _is_graft(model: PeftModel) -> bool:
+    return any(str(c.peft_type).lower().endswith(GRAFT_NAME) for c in model.peft_config.values())
+
+
+def _marked(function) -> bool:
+    return getattr(function, "_peft_graft_wrapper", False)
+
+
+def install() -> None:
+    """Wrap ``PeftModel.save_pretrained`` and ``PeftModel.push_to_hub`` (idempotent)."""
+    if not _marked(PeftModel.save_pretrained):
+        PeftModel.save_pretrained = _wrap_save(PeftModel.save_pretrained)
+    if not _marked(PeftModel.push_to_hub):
+        PeftModel.push_to_hub = _wrap_push(PeftModel.push_to_hub)
+
+
+def _wrap_save(original):
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if not _is_graft(self) or not kwargs.get("is_main_process", True):
+            return original(self, save_directory, *args, **kwargs)
+        save_directory = os.path.abspath(os.fspath(save_directory))
+        parent = os.path.dirname(save_directory)
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(save_directory)}.saving-", dir=parent)
+        try:
+            existing_card = os.path.join(save_directory, "README.md")
+            if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
+                shutil.copy2(existing_card, staging)
+            original(self, staging, *args, **kwargs)
+            write_graft_card_section(self, staging)
+            _move_into_place(staging, save_directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    save_pretrained._peft_graft_wrapper = True
+    return save_pretrained
+
+
+def _wrap_push(original):
+    @functools.wraps(original)
+    def push_to_hub(self, repo_id, *args, commit_message=None, private=None, token=None, revision=None, **kwargs):
+        if not _is_graft(self):
+            return original(
+                self, repo_id, *args, commit_message=commit_message, private=private, token=token, revision=revision, **kwargs
+            )
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message or "Upload graft adapter",
+                revision=revision,
+                create_pr=kwargs.get("create_pr", False),
+            )
+
+    push_to_hub._peft_graft_wrapper = True
+    return push_to_hub
+
+
+@contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM until the block ends (POSIX main thread; elsewhere a no-op)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _move_into_place(staging: str, destination: str) -> None:
+    files = [
+        os.path.relpath(os.path.join(root, name), staging) for root, _, names in os.walk(staging) for name in names
+    ]
+    files.sort(key=lambda rel: (os.path.basename(rel) == CONFIG_NAME, rel))  # configs last
+    for rel in files:
+        os.makedirs(os.path.dirname(os.path.join(destination, rel)), exist_ok=True)
+    with _signals_deferred():
+        for rel in files:
+            os.replace(os.path.join(staging, rel), os.path.join(destination, rel))
+
+
+def write_graft_card_section(model: PeftModel, folder: str) -> None:
+    """Add the graft tags and a section with entries and sparsity per adapter to ``folder/README.md``."""
+    path = os.path.join(folder, "README.md")
+    card = ModelCard.load(path) if os.path.isfile(path) else ModelCard("")
+    card.data.library_name = card.data.library_name or "peft"
+    card.data.tags = sorted(set(card.data.tags or []) | set(CARD_TAGS))
+    rows = []
+    for name, config in model.peft_config.items():
+        if str(config.peft_type).lower().endswith(GRAFT_NAME):
+            stats = model.base_model.graft_stats(name)
+            rows.append(f"| {name} | {stats.num_entries} | {stats.sparsity:.6%} | {config.region} |")
+    section = "\n".join(
+        [
+            CARD_SECTION,
+            "",
+            "Skill localization by model grafting (Panigrahi et al., ICML 2023): the adapter stores only",
+            "`gamma * (theta_ft - theta_pre)` on a sparse region, as indices and fp32 values. Load it with",
+            "`import peft_graft` and `PeftModel.from_pretrained(base_model, path)`.",
+            "",
+            "| adapter | grafted entries | sparsity | region |",
+            "| --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
+    text = card.text.split(CARD_SECTION)[0].rstrip()
+    card.text = f"{text}\n\n{section}\n"
+    card.save(path)
