@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 

@@ -75,7 +75,14 @@ def _wrap_push(original):
     def push_to_hub(self, repo_id, *args, commit_message=None, private=None, token=None, revision=None, **kwargs):
         if not _is_graft(self):
             return original(
-                self, repo_id, *args, commit_message=commit_message, private=private, token=token, revision=revision, **kwargs
+                self,
+                repo_id,
+                *args,
+                commit_message=commit_message,
+                private=private,
+                token=token,
+                revision=revision,
+                **kwargs,
             )
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id

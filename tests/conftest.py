@@ -42,7 +42,9 @@ def make_roberta_mlm() -> RobertaForMaskedLM:
 
 
 def make_gpt2() -> GPT2LMHeadModel:
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=1, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=1, eos_token_id=2
+    )
     return GPT2LMHeadModel(config)
 
 

@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 
 from peft_graft import GraftConfig, GraftLayer, Region
 
-
 HEADS = ("classifier", "score")
 
 
@@ -57,7 +56,9 @@ def grafted_state(pre, finetuned, region: Region) -> dict[str, torch.Tensor]:
     A classifier's head is new in the fine-tuned model: it is taken whole (``modules_to_save``).
     """
     ft = finetuned.state_dict()
-    whole = HEADS if getattr(pre.config, "num_labels", 0) and hasattr(pre, "classifier") or hasattr(pre, "score") else ()
+    whole = (
+        HEADS if (getattr(pre.config, "num_labels", 0) and hasattr(pre, "classifier")) or hasattr(pre, "score") else ()
+    )
     out = {}
     for name, param in unique_params(pre).items():
         value = param.detach().clone()
@@ -159,7 +160,7 @@ def test_save_and_load_with_peft(arch, tmp_path):
 
 
 def test_saved_adapter_holds_only_sparse_entries(tmp_path):
-    pre, model, _ = save_reload_models("roberta_cls", tmp_path, sparsity=0.02)
+    _, model, _ = save_reload_models("roberta_cls", tmp_path, sparsity=0.02)
     tensors = load_file(tmp_path / "graft" / "adapter_model.safetensors")
     grafted = {k: v for k, v in tensors.items() if ".graft_" in k}
     whole = {k: v for k, v in tensors.items() if ".graft_" not in k}
@@ -183,14 +184,16 @@ def test_storage_is_at_most_8_bytes_per_entry_plus_header(tmp_path):
 
 
 def test_auto_peft_model_and_transformers_load_adapter(tmp_path):
-    pre, model, _ = save_reload_models("roberta_cls", tmp_path, sparsity=0.02)
+    _, model, _ = save_reload_models("roberta_cls", tmp_path, sparsity=0.02)
     expected = logits(model, input_ids())
     auto = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "graft").eval()
     assert torch.equal(logits(auto, input_ids()), expected)
 
     pre_lm, model_lm, _ = save_reload_models("gpt2", tmp_path / "lm", sparsity=0.02)
     expected_lm = logits(model_lm, input_ids())
-    assert torch.equal(logits(AutoPeftModelForCausalLM.from_pretrained(tmp_path / "lm" / "graft"), input_ids()), expected_lm)
+    assert torch.equal(
+        logits(AutoPeftModelForCausalLM.from_pretrained(tmp_path / "lm" / "graft"), input_ids()), expected_lm
+    )
     native = clone_model(pre_lm)
     native.load_adapter(str(tmp_path / "lm" / "graft"))
     assert torch.equal(logits(native.eval(), input_ids()), expected_lm)
