@@ -1,11 +1,15 @@
-"""Atomic saves and the model card of graft adapters.
+"""Persistence of graft adapters: atomic saves, checked loads, the model card, ``push_to_hub``.
 
-peft writes adapter files in place and offers no hook around ``save_pretrained``, so :func:`install` wraps
-``PeftModel.save_pretrained`` and ``PeftModel.push_to_hub``; models without a graft adapter take the original path.
+peft writes adapter files in place and offers no hook around saving or loading, so :func:`install` wraps
+``PeftModel.save_pretrained``, ``PeftModel.load_adapter`` and ``PeftModel.push_to_hub``; models without a graft
+adapter take the original path.
 
 - ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
   ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves.
   An interrupted save leaves the previous adapter, or none, never a half-written file.
+- A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
+  base) removes the half-added adapter again, so the model is left as it was, and a corrupt safetensors file is
+  reported as a ``ValueError`` naming the folder.
 - The model card keeps peft's fields (``library_name: peft``, ``base_model``) and gains the tags ``graft`` and
   ``skill-localization`` and a section with the number of grafted entries and the sparsity of each adapter.
 - transformers' ``push_to_hub`` replaces the saved card with a generic ``library_name: transformers`` one; for graft
@@ -23,6 +27,7 @@ from contextlib import contextmanager
 
 from huggingface_hub import HfApi, ModelCard
 from peft import PeftModel
+from safetensors import SafetensorError
 
 from .registration import GRAFT_NAME
 
@@ -40,9 +45,11 @@ def _marked(function) -> bool:
 
 
 def install() -> None:
-    """Wrap ``PeftModel.save_pretrained`` and ``PeftModel.push_to_hub`` (idempotent)."""
+    """Wrap ``PeftModel.save_pretrained``, ``PeftModel.load_adapter`` and ``PeftModel.push_to_hub`` (idempotent)."""
     if not _marked(PeftModel.save_pretrained):
         PeftModel.save_pretrained = _wrap_save(PeftModel.save_pretrained)
+    if not _marked(PeftModel.load_adapter):
+        PeftModel.load_adapter = _wrap_load(PeftModel.load_adapter)
     if not _marked(PeftModel.push_to_hub):
         PeftModel.push_to_hub = _wrap_push(PeftModel.push_to_hub)
 
@@ -68,6 +75,29 @@ def _wrap_save(original):
 
     save_pretrained._peft_graft_wrapper = True
     return save_pretrained
+
+
+def _wrap_load(original):
+    @functools.wraps(original)
+    def load_adapter(self, model_id, adapter_name, *args, **kwargs):
+        is_new = adapter_name not in self.peft_config
+        try:
+            return original(self, model_id, adapter_name, *args, **kwargs)
+        except (SafetensorError, ValueError) as error:
+            config = self.peft_config.get(adapter_name)
+            if config is None or not str(config.peft_type).lower().endswith(GRAFT_NAME):
+                raise
+            if is_new and len(self.peft_config) > 1:  # leave the model as it was (the only adapter cannot be deleted)
+                self.delete_adapter(adapter_name)
+            if isinstance(error, SafetensorError):
+                raise ValueError(
+                    f"The graft weights in {os.fspath(model_id)!r} are truncated or corrupt ({error}): save or "
+                    "download the adapter again."
+                ) from error
+            raise
+
+    load_adapter._peft_graft_wrapper = True
+    return load_adapter
 
 
 def _wrap_push(original):

@@ -1,0 +1,183 @@
+"""Bad input to the graft method: each gives a clear error naming what is wrong, and nothing is lost."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import clone_model, input_ids, make_bert_cls, make_pair
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from peft_graft import GraftConfig
+
+VALUE = "bert.encoder.layer.0.attention.self.value.weight"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair("bert_cls")
+
+
+def graft(pre, finetuned, **kwargs):
+    return get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, task_type="SEQ_CLS", **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sparsity": 0.0}, ValueError, r"sparsity must lie in \(0, 1\], got 0"),
+        ({"sparsity": 1.5}, ValueError, r"sparsity must lie in \(0, 1\], got 1.5"),
+        ({"sparsity": -1e-4}, ValueError, "sparsity must lie in"),
+        ({"sparsity": float("nan")}, ValueError, "sparsity must lie in"),
+        ({"sparsity": "1e-4"}, TypeError, "sparsity must be a float"),
+        ({"num_entries": 0}, ValueError, "num_entries must be at least 1"),
+        ({"num_entries": 2.5}, TypeError, "num_entries must be an int"),
+        ({"region": "largest"}, ValueError, "Unknown region strategy region='largest'"),
+        ({"region": "empty"}, ValueError, "only meaningful with learn_region=True"),
+        ({"region": "given"}, ValueError, "needs given_region"),
+    ],
+)
+def test_bad_config_fields(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GraftConfig(finetuned=None, **kwargs)
+
+
+def test_budget_larger_than_eligible_parameters(pair):
+    pre, finetuned, _ = pair
+    with pytest.raises(ValueError, match=r"exceeds the .* eligible parameters"):
+        graft(pre, finetuned, num_entries=10**9)
+    with pytest.raises(ValueError, match="rounds to 0 entries"):
+        graft(pre, finetuned, sparsity=1e-9)
+
+
+def test_finetuned_of_another_architecture(pair):
+    pre, _, _ = pair
+    gpt2_finetuned = make_pair("gpt2")[1]
+    with pytest.raises(ValueError, match="finetuned is a 'gpt2' model but the pre-trained model is 'bert'"):
+        graft(pre, gpt2_finetuned)
+
+
+def test_finetuned_missing_or_differently_shaped_tensor(pair):
+    pre, finetuned, _ = pair
+    state = dict(finetuned.state_dict())
+    del state[VALUE]
+    with pytest.raises(ValueError, match=f"fine-tuned model has no tensor '{VALUE}'"):
+        graft(pre, state)
+    state = dict(finetuned.state_dict())
+    state[VALUE] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=rf"'{VALUE}' has shape \(3, 3\) in the fine-tuned model but \(32, 32\)"):
+        graft(pre, state)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_movement_names_the_tensor(pair, bad):
+    pre, finetuned, _ = pair
+    state = {k: v.clone() for k, v in finetuned.state_dict().items()}
+    state[VALUE][1, 2] = bad
+    with pytest.raises(ValueError, match=f"1 NaN or inf entries in tensor '{VALUE}'"):
+        graft(pre, state)
+
+
+def test_finetuned_of_wrong_type_or_missing_path(pair):
+    pre, _, _ = pair
+    with pytest.raises(TypeError, match="finetuned must be a model, a path or Hub id, or a state dict; got int"):
+        graft(pre, 42)
+    with pytest.raises(ValueError, match="needs finetuned="):
+        graft(pre, None)
+    with pytest.raises(ValueError, match="Cannot load the fine-tuned model finetuned='/nonexistent/model'"):
+        graft(pre, "/nonexistent/model")
+
+
+def test_unmoved_model_has_nothing_to_graft(pair):
+    pre, _, _ = pair
+    with pytest.raises(ValueError, match="No eligible tensor moved during fine-tuning"):
+        graft(pre, clone_model(pre))
+
+
+@pytest.fixture
+def saved(pair, tmp_path):
+    pre, finetuned, _ = pair
+    graft(pre, finetuned, sparsity=0.02).save_pretrained(tmp_path / "graft")
+    return tmp_path / "graft"
+
+
+def corrupt_copy(saved, tmp_path, edit) -> str:
+    """A copy of the saved graft whose weights file was changed by ``edit(tensors) -> tensors``."""
+    target = tmp_path / "corrupt"
+    shutil.copytree(saved, target)
+    path = target / "adapter_model.safetensors"
+    save_file(edit(load_file(path)), path)
+    return target
+
+
+def first_key(tensors, suffix):
+    return next(k for k in sorted(tensors) if k.endswith(suffix))
+
+
+def set_last_index(tensors, value):
+    key = first_key(tensors, "graft_indices")
+    tensors[key] = tensors[key].clone()
+    tensors[key][-1] = value
+    return tensors
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda t: set_last_index(t, 10**8), r"fall outside \[0, \d+\): the file is corrupt"),
+        (lambda t: set_last_index(t, -1), r"fall outside \[0, \d+\): the file is corrupt"),
+        (lambda t: {k: v for k, v in t.items() if k != first_key(t, "graft_indices")}, "it is incomplete"),
+        (
+            lambda t: t | {first_key(t, "graft_values"): t[first_key(t, "graft_values")][:-1].clone()},
+            "config and weights do not match",
+        ),
+        (
+            lambda t: t | {first_key(t, "graft_values"): torch.full_like(t[first_key(t, "graft_values")], torch.nan)},
+            "contain NaN or inf",
+        ),
+        (
+            lambda t: t | {first_key(t, "graft_indices"): t[first_key(t, "graft_indices")].float()},
+            "expected int32 or int64",
+        ),
+    ],
+)
+def test_corrupt_entries_are_refused(pair, saved, tmp_path, edit, match):
+    pre, _, _ = pair
+    with pytest.raises(ValueError, match=match):
+        PeftModel.from_pretrained(clone_model(pre), corrupt_copy(saved, tmp_path, edit))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_truncated_or_corrupt_file_is_a_clear_error_and_leaves_the_model_as_it_was(pair, saved, tmp_path, damage):
+    pre, _, _ = pair
+    target = tmp_path / "damaged"
+    shutil.copytree(saved, target)
+    path = target / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a safetensors file" * 4)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        PeftModel.from_pretrained(clone_model(pre), target)
+
+    model = PeftModel.from_pretrained(clone_model(pre), saved).eval()
+    with torch.no_grad():
+        before = model(input_ids=input_ids()).logits
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        model.load_adapter(target, adapter_name="broken")
+    assert list(model.peft_config) == ["default"]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=input_ids()).logits, before)
+
+
+def test_graft_of_another_architecture_is_refused(saved):
+    gpt2 = make_pair("gpt2")[0]
+    with pytest.raises(ValueError, match="made for another architecture"):
+        PeftModel.from_pretrained(gpt2, saved)
+
+
+def test_wrong_base_is_refused_at_first_use(saved):
+    torch.manual_seed(123)  # same architecture, other values
+    with pytest.raises(ValueError, match="made for a different pre-trained model"):
+        model = PeftModel.from_pretrained(make_bert_cls().eval(), saved)
+        model(input_ids=input_ids())

@@ -1,0 +1,108 @@
+"""Atomic saves, the model card and ``push_to_hub`` of graft adapters (no network: the upload is intercepted)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import peft.peft_model
+import pytest
+import torch
+import yaml
+from conftest import clone_model, finetune_like, input_ids, make_pair
+from huggingface_hub import HfApi
+from peft import PeftModel, get_peft_model
+
+from peft_graft import GraftConfig
+
+
+def logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids()).logits
+
+
+@pytest.fixture
+def graft(tmp_path):
+    pre, finetuned, _ = make_pair("gpt2")
+    pre.save_pretrained(tmp_path / "base")
+    base = type(pre).from_pretrained(tmp_path / "base")  # records name_or_path for the card's base_model
+    return pre, get_peft_model(base, GraftConfig(finetuned=finetuned, num_entries=123))
+
+
+def card_metadata(folder) -> dict:
+    text = (folder / "README.md").read_text()
+    return yaml.safe_load(text.split("---")[1])
+
+
+def test_push_to_hub_uploads_a_reloadable_graft_with_its_card(graft, tmp_path, monkeypatch):
+    pre, model = graft
+    uploaded = tmp_path / "hub"
+    calls = {}
+
+    def create_repo(self, repo_id, private=None, exist_ok=False, **kwargs):
+        calls["create_repo"] = (repo_id, private, exist_ok)
+        return SimpleNamespace(repo_id=f"user/{repo_id}")
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None, revision=None, create_pr=False, **kwargs):
+        calls["upload_folder"] = (repo_id, commit_message)
+        shutil.copytree(folder_path, uploaded)
+        return "https://huggingface.co/user/my-graft"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    assert model.push_to_hub("my-graft", private=True) == "https://huggingface.co/user/my-graft"
+    assert calls["create_repo"] == ("my-graft", True, True)
+    assert calls["upload_folder"] == ("user/my-graft", "Upload graft adapter")
+    files = sorted(p.name for p in uploaded.iterdir())
+    assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+    meta = card_metadata(uploaded)
+    assert meta["library_name"] == "peft"
+    assert meta["base_model"] == str(tmp_path / "base")
+    assert {"graft", "skill-localization"} <= set(meta["tags"])
+    card = (uploaded / "README.md").read_text()
+    assert "| default | 123 |" in card and "| movement |" in card
+    sparsity = 123 / sum(p.numel() for p in pre.parameters())
+    assert f"{sparsity:.6%}" in card
+
+    reloaded = PeftModel.from_pretrained(clone_model(pre), uploaded)
+    assert torch.equal(logits(reloaded), logits(model))
+
+
+def test_interrupted_save_leaves_the_previous_adapter_intact(graft, tmp_path, monkeypatch):
+    pre, model = graft
+    target = tmp_path / "graft"
+    model.save_pretrained(target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    other = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
+    original_save = peft.peft_model.safe_save_file
+
+    def save_then_die(tensors, filename, metadata=None):
+        original_save(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as handle:  # half-written file, then the process is interrupted
+            handle.truncate(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        other.save_pretrained(target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if "saving" in p.name] == []  # no staging folder left behind
+
+    monkeypatch.undo()
+    fresh = tmp_path / "fresh"
+    with pytest.raises(KeyboardInterrupt):
+        monkeypatch.setattr(peft.peft_model, "safe_save_file", save_then_die)
+        other.save_pretrained(fresh)
+    assert not fresh.exists()  # an interrupted first save leaves no adapter at all
+    monkeypatch.undo()
+    other.save_pretrained(target)
+    assert torch.equal(logits(PeftModel.from_pretrained(clone_model(pre), target)), logits(other))
+
+
+def test_resaving_updates_the_card_section_instead_of_repeating_it(graft, tmp_path):
+    _, model = graft
+    model.save_pretrained(tmp_path / "g")
+    model.save_pretrained(tmp_path / "g")
+    assert (tmp_path / "g" / "README.md").read_text().count("## Graft") == 1
