@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from peft_graft.calibration.metrics import (
+    DEFAULT_N_BINS,
     PROB_SUM_ATOL,
     accuracy,
     adaptive_calibration_error,
@@ -62,7 +63,7 @@ def test_confidence_one_goes_to_last_bin_and_torchmetrics_edge_difference():
     bins = reliability_bins(probs.max(1).values, probs.argmax(1).eq(labels), n_bins=10)
     assert bins.counts.tolist() == [0] * 9 + [2]
     # one bin [0.9, 1]: acc .5, conf .96
-    assert expected_calibration_error(probs, labels) == pytest.approx(0.46, abs=1e-7)
+    assert expected_calibration_error(probs, labels, n_bins=10) == pytest.approx(0.46, abs=1e-7)
     # Edge-convention difference: torchmetrics bucketizes with right=True against linspace(0, 1, M+1) *including* 1.0
     # and never clamps, so a confidence of exactly 1.0 lands in an extra (M+1)-th bin [1, 1]: it gets
     # 0.5 * |0 - 1| + 0.5 * |1 - .92| = 0.54. Interior edges are left-closed in both, as in the paper.
@@ -89,6 +90,19 @@ def test_matches_torchmetrics_on_random_inputs(num_classes, n_bins):
         assert fn(logits.numpy(), labels.numpy(), n_bins=n_bins) == pytest.approx(expected, abs=1e-6)
 
 
+def test_default_bins_match_torchmetrics_calibration_error_class():
+    from torchmetrics import CalibrationError
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(200, 3, generator=gen) * 3
+    labels = torch.randint(0, 3, (200,), generator=gen)
+    metric = CalibrationError(task="multiclass", num_classes=3)  # its default n_bins is 15, like ours
+    for start in range(0, 200, 64):  # accumulated over batches, as in an evaluation loop
+        metric.update(logits[start : start + 64], labels[start : start + 64])
+    assert DEFAULT_N_BINS == 15
+    assert expected_calibration_error(logits, labels) == pytest.approx(metric.compute().item(), abs=1e-6)
+
+
 def test_binary_one_dimensional_inputs():
     from torchmetrics.functional.classification import multiclass_calibration_error
 
@@ -113,7 +127,7 @@ def test_binary_one_dimensional_inputs():
     rng = np.random.default_rng(0)
     q = rng.uniform(size=300)
     y = rng.integers(0, 2, size=300)
-    expected = multiclass_calibration_error(torch.tensor(np.stack([1 - q, q], 1)), torch.tensor(y), 2, n_bins=10)
+    expected = multiclass_calibration_error(torch.tensor(np.stack([1 - q, q], 1)), torch.tensor(y), 2, n_bins=15)
     assert expected_calibration_error(q, y) == pytest.approx(expected.item(), abs=1e-6)
 
 
@@ -246,6 +260,7 @@ def test_probability_sum_tolerance():
         ({"preds": np.zeros((2, 1)), "labels": [0, 1]}, ValueError, "at least 2 columns"),
         ({"preds": np.zeros((0, 2)), "labels": []}, ValueError, "empty"),
         ({"preds": "0.9", "labels": [0]}, TypeError, "preds"),
+        ({"preds": np.array([0, 2, 1]), "labels": [0, 2, 1]}, TypeError, "class ids"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, error, match):

@@ -9,6 +9,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.image import imread
 
+from peft_graft.calibration import EVALUATE_MODULE_PATH
 from peft_graft.calibration.metrics import calibration_report, reliability_bins
 from peft_graft.calibration.plots import confidence_histogram, reliability_diagram, save_figure
 from peft_graft.calibration.table import CalibrationTable, calibration_table, print_table
@@ -126,7 +127,7 @@ def test_plot_argument_errors():
         reliability_diagram([[0.5, 0.5]], [0], n_bins=0)
 
 
-METRIC_DIR = Path(__file__).resolve().parents[1] / "peft_graft" / "metrics" / "calibration"
+METRIC_DIR = Path(EVALUATE_MODULE_PATH)
 
 
 def test_evaluate_module_loads_offline(tmp_path, monkeypatch):
@@ -135,13 +136,17 @@ def test_evaluate_module_loads_offline(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the evaluate module tried to open a network connection")
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_EVALUATE_OFFLINE"):
+        monkeypatch.setenv(var, "1")
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(evaluate.config, "HF_MODULES_CACHE", tmp_path / "modules")  # keep the repo tree clean
     before = sorted(p.name for p in METRIC_DIR.iterdir())
 
     metric = evaluate.load(str(METRIC_DIR), cache_dir=str(tmp_path / "cache"), keep_in_memory=True)
+    # the example of the module's docstring
+    assert metric.compute(predictions=[[0.9, 0.1], [0.2, 0.8]], references=[0, 0], metrics=["accuracy", "ece"]) == (
+        pytest.approx({"accuracy": 0.5, "ece": 0.45})
+    )
     probs, labels = FT["id"]
     result = metric.compute(predictions=probs, references=labels)
     assert result == pytest.approx(calibration_report(probs, labels))

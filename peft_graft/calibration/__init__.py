@@ -2,8 +2,11 @@
 
 Functional core in :mod:`.metrics` (pure functions over logits/probabilities and labels), temperature scaling in
 :mod:`.temperature`, matplotlib figures in :mod:`.plots`, ``Trainer`` integration in :mod:`.trainer` and the
-multi-model / multi-dataset table in :mod:`.table`.
+multi-model / multi-dataset table in :mod:`.table`. The ``evaluate`` module lives in ``peft_graft/metrics/calibration``:
+``evaluate.load(EVALUATE_MODULE_PATH)``.
 """
+
+from pathlib import Path
 
 from .metrics import (
     DEFAULT_N_BINS,
@@ -28,9 +31,13 @@ from .table import DEFAULT_TABLE_METRICS, CalibrationTable, calibration_table, p
 from .temperature import TemperatureScaler, fit_temperature
 from .trainer import CalibrationCallback, CalibrationMetrics, EvalSnapshot, make_compute_metrics
 
+EVALUATE_MODULE_PATH = str(Path(__file__).resolve().parent.parent / "metrics" / "calibration")
+"""Directory of the ``evaluate`` metric module (ECE and friends): ``evaluate.load(EVALUATE_MODULE_PATH)``."""
+
 __all__ = [
     "DEFAULT_N_BINS",
     "DEFAULT_TABLE_METRICS",
+    "EVALUATE_MODULE_PATH",
     "PROB_SUM_ATOL",
     "CalibrationCallback",
     "CalibrationMetrics",

@@ -17,9 +17,15 @@ Prediction formats (``input_type``):
   all fall in ``[0, 1]`` is therefore read as probabilities under ``"auto"``: pass ``input_type="logits"``.
   Internally the score becomes the two-column distribution ``[1 - p, p]``.
 
-Binning: ``M`` equal-width bins ``I_m = [(m-1)/M, m/M)`` (left-closed), with a confidence of exactly ``1.0`` in the
-last bin, as in Guo et al. (2017) and appendix A.3 of Panigrahi et al. (2023). The default ``M = 10`` is the number of
-equal-width bins used by Guo et al. and by the grafting paper's implementation.
+Binning (appendix A.3 of Panigrahi et al. 2023, after Guo et al. 2017): ``M`` equal-width bins
+``I_m = [(m-1)/M, m/M)``, left-closed as A.3 writes them, with a confidence of exactly ``1.0`` in the last bin.
+
+Default ``M = 15`` (:data:`DEFAULT_N_BINS`). The grafting paper does not state ``M``, and its released code has no
+ECE code; A.3 says it uses "the implementation from Guo et al. (2017)", whose reference code
+(``_ECELoss`` in github.com/gpleiss/temperature_scaling) defaults to ``n_bins=15``. 15 is therefore the most likely
+value behind the paper's ECE numbers, but this is an inference, not a documented fact. It is also the default of
+``torchmetrics.CalibrationError``. That reference code uses right-closed bins ``((m-1)/M, m/M]``; the two conventions
+differ only for confidences lying exactly on an interior edge.
 """
 
 from __future__ import annotations
@@ -50,8 +56,8 @@ __all__ = [
     "top_label_confidence",
 ]
 
-DEFAULT_N_BINS = 10
-"""Default number of equal-width bins: Guo et al. (2017) and the grafting paper's implementation use 10."""
+DEFAULT_N_BINS = 15
+"""Default number of equal-width bins: the default of Guo et al.'s reference ECE code (see the module docstring)."""
 
 PROB_SUM_ATOL = 1e-4
 """Absolute tolerance on ``|sum_k p_k - 1|`` for probability inputs (generous w.r.t. fp32 soft-max round-off).
@@ -152,6 +158,11 @@ def _format_preds(preds: ArrayLike, input_type: InputType = "auto", name: str = 
     _input_type_arg_validation(input_type)
     tensor = _as_tensor(preds, name)
     _preds_tensor_validation(tensor, name)
+    if tensor.ndim == 1 and not tensor.is_floating_point():
+        raise TypeError(
+            f"Argument `{name}` is a 1-D integer array, which looks like predicted class ids; calibration needs "
+            f"scores: pass logits or probabilities (as floats)."
+        )
     # rows of half-precision probabilities cannot sum to 1 more precisely than a few ulps of their dtype
     tol = max(PROB_SUM_ATOL, 8 * torch.finfo(tensor.dtype).eps) if tensor.is_floating_point() else PROB_SUM_ATOL
     tensor = tensor.to(torch.float64)
@@ -370,7 +381,7 @@ def expected_calibration_error(
     Args:
         preds: Logits or probabilities ``(n, C)``, or binary positive-class scores ``(n,)``.
         labels: Integer labels ``(n,)``.
-        n_bins: Number of bins ``M`` (default 10, as in Guo et al. and the grafting paper).
+        n_bins: Number of bins ``M`` (default :data:`DEFAULT_N_BINS` = 15, see the module docstring).
         input_type: ``"auto"``, ``"logits"`` or ``"probs"``.
 
     Returns:

@@ -155,7 +155,7 @@ def make_compute_metrics(
     """Build a ``compute_metrics`` for ``Trainer`` returning accuracy (+ F1) and calibration metrics.
 
     Args:
-        n_bins: Number of bins for ECE/MCE/adaptive/classwise ECE (default 10, as in Guo et al. and the paper).
+        n_bins: Number of bins for ECE/MCE/adaptive/classwise ECE (default 15: see ``DEFAULT_N_BINS``).
         input_type: How to read the model outputs: ``"auto"`` (default), ``"logits"`` or ``"probs"``.
         f1_average: Also report ``f1`` with this averaging (``"binary"`` for MRPC/QQP-style F1, or ``"macro"``).
         metrics: Subset of ``("accuracy", "ece", "mce", "adaptive_ece", "classwise_ece", "brier", "nll")``.

@@ -1,10 +1,12 @@
 """`evaluate` module for calibration metrics: ECE, MCE, adaptive ECE, classwise ECE, Brier score, NLL, accuracy.
 
-Load it offline from its directory (the script name matches the directory name, as `evaluate` requires)::
+Load it offline from its directory (the script name matches the directory name, as `evaluate` requires); the
+directory ships with the installed package and its path is ``peft_graft.calibration.EVALUATE_MODULE_PATH``::
 
     import evaluate
-    calibration = evaluate.load("path/to/peft_graft/metrics/calibration")
-    calibration.compute(predictions=logits, references=labels, n_bins=10)
+    from peft_graft.calibration import EVALUATE_MODULE_PATH
+    calibration = evaluate.load(EVALUATE_MODULE_PATH)
+    calibration.compute(predictions=logits, references=labels, n_bins=15)
 
 It is a thin layer over :func:`peft_graft.calibration.calibration_report`, so ``peft_graft`` must be importable.
 """
@@ -42,16 +44,17 @@ Args:
     predictions: logits or probabilities, shape (n, num_classes); or, for binary tasks, one positive-class score
         per example, shape (n,).
     references: integer labels, shape (n,).
-    n_bins: number of bins M (default 10, as in Guo et al. 2017 and the grafting paper).
+    n_bins: number of bins M (default 15, the default of Guo et al.'s reference ECE code;
+        the grafting paper does not state M).
     input_type: "auto" (default), "logits" or "probs". With "auto", arrays whose values all lie in [0, 1] are
         probabilities (2-D rows must then sum to 1), anything else is logits; 1-D scores are P(y=1) or a logit.
     metrics: optional subset of ("accuracy", "ece", "mce", "adaptive_ece", "classwise_ece", "brier", "nll").
 Returns:
     dict with keys accuracy, ece, mce, adaptive_ece, classwise_ece, brier, nll (floats).
 Examples:
-    >>> calibration = evaluate.load("peft_graft/metrics/calibration")
+    >>> calibration = evaluate.load(EVALUATE_MODULE_PATH)
     >>> calibration.compute(predictions=[[0.9, 0.1], [0.2, 0.8]], references=[0, 0], metrics=["accuracy", "ece"])
-    {'accuracy': 0.5, 'ece': 0.35}
+    {'accuracy': 0.5, 'ece': 0.45}
 """
 
 
