@@ -8,6 +8,7 @@ from . import saving
 from .config import GraftConfig
 from .layer import GraftLayer
 from .model import GraftModel
+from .penalties import MovementL1Penalty, MovementL1Trainer
 from .regions import Region, global_top_k, random_region, top_k_movement
 from .registration import register
 from .stats import GraftStats
@@ -23,6 +24,8 @@ __all__ = [
     "GraftLayer",
     "GraftModel",
     "GraftStats",
+    "MovementL1Penalty",
+    "MovementL1Trainer",
     "Region",
     "global_top_k",
     "random_region",

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Fine-tune a model for text classification, the first step of skill localization by grafting.
+
+Three heads (``--head``):
+
+* ``classification``: a linear head on the pooled [CLS] representation (``AutoModelForSequenceClassification``).
+* ``mlm_prompt``: prompt-based fine-tuning of a masked LM (LM-BFF without demonstrations, the paper's main setting):
+  ``--template "{sentence} It was {mask}." --label_words " terrible, great"``.
+* ``causal_prompt``: prompt-based fine-tuning of a causal LM scoring label words at the last prompt token (the paper's
+  GPT-2 setting, appendix B.5): ``--template "Review: {sentence} Sentiment:" --label_words " negative, positive"``.
+
+Paper defaults (appendix A.2): SGD (``--optim sgd``, weight decay 1e-4) with frozen embeddings (and frozen LM head for
+prompt-based heads), ``--k_shot`` examples per class sampled with ``--k_shot_seed``, and ``16 x n x min(k, 512)``
+steps when ``--max_steps`` is not given. With AdamW, ``--movement_l1 1e-3`` adds the paper's L1 penalty on
+``|theta - theta_pre|`` (Figure 5), from :class:`peft_graft.MovementL1Trainer`.
+
+Example (offline, packaged assets)::
+
+    python examples/run_finetune.py --model_name_or_path <minilm dir> --dataset_name_or_path mr_train.csv \
+        --k_shot 64 --output_dir outputs/ft
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+import transformers
+import utils_data as U  # examples/ is on sys.path when a script there runs
+from transformers import DataCollatorWithPadding, HfArgumentParser, TrainingArguments, set_seed
+
+from peft_graft.calibration import make_compute_metrics
+from peft_graft.penalties import MovementL1Trainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    """Which model to fine-tune and how it reads the task."""
+
+    model_name_or_path: str = field(metadata={"help": "Pre-trained model: local folder or Hub id."})
+    head: str = field(default="classification", metadata={"help": f"One of {U.HEADS}."})
+    template: str | None = field(
+        default=None,
+        metadata={"help": "Prompt template with {sentence} (and {mask} for mlm_prompt); default per head."},
+    )
+    label_words: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated label words in class order, each one token (spaces kept), e.g. ' bad, good'."
+        },
+    )
+    freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze the input embeddings (paper, SGD)."})
+    freeze_lm_head: bool = field(default=True, metadata={"help": "Freeze the LM head of prompt-based heads (paper)."})
+    movement_l1: float = field(
+        default=0.0, metadata={"help": "L1 penalty strength on |theta - theta_pre| (paper: 1e-3 with AdamW)."}
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    """Which data to train on (a local file/folder or a Hub dataset) and how to sample it."""
+
+    dataset_name_or_path: str = field(
+        metadata={"help": "Local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
+    train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
+    validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
+    validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
+    text_column: str = field(default="text", metadata={"help": "Column with the sentence ('sentence' for SST-2)."})
+    label_column: str = field(default="label", metadata={"help": "Column with the label."})
+    k_shot: int | None = field(default=16, metadata={"help": "Examples per class (None: all)."})
+    k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
+    max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
+    paper_steps: bool = field(
+        default=True, metadata={"help": "Without --max_steps: 16 x n x min(k, 512) steps (appendix A.2)."}
+    )
+
+
+@dataclass
+class FinetuneTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with the paper's SGD defaults (appendix A.2)."""
+
+    output_dir: str | None = field(default="outputs/finetune", metadata={"help": "Where to save the model."})
+    optim: str = field(default="sgd", metadata={"help": "Optimizer: 'sgd' (paper) or 'adamw_torch'."})
+    learning_rate: float = field(default=1e-2, metadata={"help": "Paper grid for SGD: 1e-2, 5e-3, 1e-3."})
+    weight_decay: float = field(default=1e-4, metadata={"help": "Paper: 1e-4."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Paper grid: 2, 4, 8."})
+    per_device_eval_batch_size: int = field(default=64, metadata={"help": "Evaluation batch size."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
+    logging_steps: float = field(default=20, metadata={"help": "Log every N steps."})
+    save_strategy: str = field(default="no", metadata={"help": "The final model is always saved."})
+    report_to: str = field(default="none", metadata={"help": "Integrations to report to."})
+
+
+def paper_max_steps(num_labels: int, k: int | None) -> int:
+    """``16 x n x k`` steps for k-shot training with n labels, capped at ``k = 512`` (appendix A.2)."""
+    return 16 * num_labels * min(k if k is not None else 512, 512)
+
+
+def setup_logging(training_args: TrainingArguments) -> None:
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    level = training_args.get_process_log_level()
+    logger.setLevel(level)
+    logging.getLogger(U.__name__).setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+
+
+def main(args: list[str] | None = None) -> dict[str, float]:
+    """Parse ``args`` (default: ``sys.argv``), fine-tune, save the model, and return the train/eval metrics."""
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, FinetuneTrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args)
+    setup_logging(training_args)
+    U.check_head(model_args.head)
+    set_seed(training_args.seed)
+
+    # Data: read, map labels to ids, sample k per class.
+    frame = U.read_table(
+        data_args.dataset_name_or_path,
+        data_args.train_split,
+        data_args.dataset_config_name,
+        data_args.text_column,
+        data_args.label_column,
+    )
+    label_names = U.label_names_of(frame)
+    train_frame = U.k_shot(U.encode_labels(frame, label_names), data_args.k_shot, data_args.k_shot_seed)
+    logger.info("Training on %d examples (%s per class, seed %d)", len(train_frame), data_args.k_shot,
+                data_args.k_shot_seed)  # fmt: skip
+
+    setup = U.TaskSetup(
+        head=model_args.head,
+        label_names=label_names,
+        template=model_args.template or U.DEFAULT_TEMPLATES.get(model_args.head),
+        label_words=U.parse_label_words(model_args.label_words),
+        max_seq_length=data_args.max_seq_length,
+    )
+    if setup.head != "classification" and not setup.label_words:
+        raise ValueError(f"head={setup.head!r} needs --label_words, one word per class of {label_names}.")
+    tokenizer = U.load_tokenizer(model_args.model_name_or_path, setup.head)
+    model = U.load_model(model_args.model_name_or_path, setup, tokenizer)
+    frozen = U.freeze(model, model_args.freeze_embeddings, model_args.freeze_lm_head)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("Frozen: %d tensors; trainable parameters: %d", len(frozen), trainable)
+
+    train_dataset = U.tokenize(train_frame, tokenizer, setup)
+    eval_dataset = None
+    if data_args.validation_dataset is not None:
+        eval_frame = U.read_table(
+            data_args.validation_dataset,
+            data_args.validation_split,
+            data_args.dataset_config_name,
+            data_args.text_column,
+            data_args.label_column,
+        )
+        eval_frame = U.encode_labels(eval_frame, label_names)
+        if data_args.max_eval_samples is not None:
+            eval_frame = eval_frame.iloc[: data_args.max_eval_samples]
+        eval_dataset = U.by_length(U.tokenize(eval_frame, tokenizer, setup))
+
+    if training_args.max_steps <= 0 and data_args.paper_steps:
+        training_args.max_steps = paper_max_steps(setup.num_labels, data_args.k_shot)
+        logger.info("max_steps = 16 x n x min(k, 512) = %d (appendix A.2)", training_args.max_steps)
+
+    trainer = MovementL1Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=make_compute_metrics() if eval_dataset is not None else None,
+        movement_l1=model_args.movement_l1,
+    )
+    train_result = trainer.train()
+    metrics = dict(train_result.metrics)
+    U.inner_model(model).save_pretrained(training_args.output_dir)
+    tokenizer.save_pretrained(training_args.output_dir)
+    setup.save(training_args.output_dir)
+    logger.info("Saved the fine-tuned model to %s", training_args.output_dir)
+    trainer.log_metrics("train", metrics)
+    if eval_dataset is not None:
+        eval_metrics = trainer.evaluate()
+        trainer.log_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+    trainer.save_metrics("all", metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Shared data, model and prompt helpers of the example scripts (run_finetune.py, run_graft.py, run_evaluate.py).
+
+Every dataset argument is a local file (``.csv``, ``.tsv``, ``.json``, ``.jsonl``, ``.parquet``), a folder written by
+``Dataset.save_to_disk``, or a Hub dataset id (``"glue"`` with ``dataset_config_name="sst2"``); every model argument is
+a local folder or a Hub model id. Local tables are read with pandas (no ``load_dataset("csv")`` cache side effects).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from datasets import Dataset, load_dataset, load_from_disk
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
+
+from peft_graft.prompting import LabelWordClassifier, label_word_ids
+
+logger = logging.getLogger(__name__)
+
+HEADS = ("classification", "mlm_prompt", "causal_prompt")
+TABLE_SUFFIXES = {".csv": ",", ".tsv": "\t", ".txt": "\t"}
+SETUP_FILE = "graft_example.json"
+DEFAULT_TEMPLATES = {"mlm_prompt": "{sentence} It was {mask}.", "causal_prompt": "Review: {sentence} Sentiment:"}
+
+
+# ------------------------------------------------------------------------------------------------------------- setup
+@dataclass
+class TaskSetup:
+    """How a fine-tuned model reads its inputs; saved beside it as ``graft_example.json`` for the later scripts."""
+
+    head: str = "classification"
+    label_names: list[str] = field(default_factory=list)
+    template: str | None = None
+    label_words: list[str] | None = None
+    max_seq_length: int = 64
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory, SETUP_FILE).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> TaskSetup | None:
+        path = Path(directory, SETUP_FILE)
+        return cls(**json.loads(path.read_text())) if path.is_file() else None
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+def parse_label_words(label_words: str | None) -> list[str] | None:
+    """``"bad,good"`` -> ``["bad", "good"]``; spaces are kept: ``" bad, good"`` -> ``[" bad", " good"]``."""
+    return None if label_words is None else label_words.split(",")
+
+
+def check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"Unknown head={head!r}: use one of {HEADS}.")
+
+
+# ------------------------------------------------------------------------------------------------------------- data
+def _looks_like_path(name: str) -> bool:
+    return os.sep in name or name.startswith(".") or Path(name).suffix.lower() in {*TABLE_SUFFIXES, ".json", ".jsonl"}
+
+
+def read_table(
+    name_or_path: str,
+    split: str = "train",
+    dataset_config_name: str | None = None,
+    text_column: str = "text",
+    label_column: str = "label",
+) -> pd.DataFrame:
+    """A dataset as a DataFrame with columns ``text`` and ``label`` (raw label values, not yet mapped to ids)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in TABLE_SUFFIXES:
+            frame = pd.read_csv(path, sep=TABLE_SUFFIXES[suffix])
+        elif suffix in (".json", ".jsonl"):
+            frame = pd.read_json(path, lines=suffix == ".jsonl")
+        elif suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        else:
+            raise ValueError(
+                f"Dataset file {name_or_path!r}: unsupported suffix {suffix!r}; use csv, tsv, json(l), parquet."
+            )
+    elif path.is_dir():
+        data = load_from_disk(str(path))
+        frame = (data[split] if hasattr(data, "keys") else data).to_pandas()
+    elif _looks_like_path(name_or_path):
+        raise ValueError(f"Dataset path {name_or_path!r} does not exist: pass an existing file or folder, or a Hub id.")
+    else:
+        try:
+            frame = load_dataset(name_or_path, dataset_config_name, split=split).to_pandas()
+        except Exception as error:  # datasets raises many types for unknown or unreachable ids
+            raise ValueError(
+                f"Could not load dataset {name_or_path!r} (config {dataset_config_name!r}, split {split!r}): it is "
+                f"neither a local file or folder nor a reachable Hub dataset ({type(error).__name__}: {error})."
+            ) from error
+    missing = [c for c in (text_column, label_column) if c not in frame.columns]
+    if missing:
+        raise ValueError(
+            f"Dataset {name_or_path!r} has no column(s) {missing}; its columns are {list(frame.columns)}. Set "
+            "--text_column and --label_column."
+        )
+    frame = frame[[text_column, label_column]].rename(columns={text_column: "text", label_column: "label"})
+    return frame.dropna().reset_index(drop=True)
+
+
+def label_names_of(frame: pd.DataFrame) -> list[str]:
+    """Class names in id order: sorted distinct label values."""
+    return [str(v) for v in sorted(frame["label"].unique().tolist())]
+
+
+def encode_labels(frame: pd.DataFrame, label_names: list[str]) -> pd.DataFrame:
+    """Map raw labels to ids ``0..C-1`` by ``label_names``; unknown labels are an error."""
+    index = {name: i for i, name in enumerate(label_names)}
+    raw = frame["label"].astype(str)
+    unknown = sorted(set(raw) - set(index))
+    if unknown:
+        raise ValueError(f"Labels {unknown[:5]} do not occur in the training labels {label_names}.")
+    return frame.assign(label=raw.map(index).astype(int))
+
+
+def k_shot(frame: pd.DataFrame, k: int | None, seed: int) -> pd.DataFrame:
+    """``k`` examples of every class, sampled with ``seed`` (all examples when ``k`` is None)."""
+    if k is None:
+        return frame.sample(frac=1.0, random_state=seed).reset_index(drop=True)
+    if k < 1:
+        raise ValueError(f"k_shot must be >= 1, got {k}.")
+    counts = frame["label"].value_counts()
+    short = {str(c): int(n) for c, n in counts.items() if n < k}
+    if short:
+        raise ValueError(f"k_shot={k} exceeds the number of examples of class(es) {short}: lower --k_shot.")
+    parts = [group.sample(n=k, random_state=seed) for _, group in frame.groupby("label", sort=True)]
+    return pd.concat(parts).sample(frac=1.0, random_state=seed).reset_index(drop=True)
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, text: str, setup: TaskSetup) -> str:
+    """The prompt of one example: the template with the sentence, truncated so that the prompt fits."""
+    template = setup.template
+    mask = tokenizer.mask_token or ""
+    overhead = len(tokenizer(template.format(sentence="", mask=mask))["input_ids"])
+    budget = max(1, setup.max_seq_length - overhead)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:budget]
+    return template.format(sentence=tokenizer.decode(ids).strip(), mask=mask)
+
+
+def tokenize(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, setup: TaskSetup) -> Dataset:
+    """A tokenized ``Dataset`` (input_ids, attention_mask[, token_type_ids], labels), sorted by nothing."""
+    if setup.head == "classification":
+        texts = frame["text"].astype(str).tolist()
+        encoded = tokenizer(texts, truncation=True, max_length=setup.max_seq_length)
+    else:
+        texts = [prompt_text(tokenizer, t, setup) for t in frame["text"].astype(str)]
+        encoded = tokenizer(texts, truncation=False)
+    columns = {key: list(values) for key, values in encoded.items()}
+    columns["labels"] = frame["label"].astype(int).tolist()
+    return Dataset.from_dict(columns)
+
+
+def by_length(dataset: Dataset) -> Dataset:
+    """The dataset sorted by length (less padding when predicting; order does not matter for the metrics)."""
+    order = np.argsort([len(ids) for ids in dataset["input_ids"]], kind="stable")
+    return dataset.select(order.tolist())
+
+
+# ------------------------------------------------------------------------------------------------------------- models
+def load_tokenizer(name_or_path: str, head: str) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as error:
+        raise ValueError(f"Could not load a tokenizer from {name_or_path!r}: not a local model folder nor a reachable "
+                         f"Hub model ({type(error).__name__}: {error}).") from error  # fmt: skip
+    if head == "causal_prompt":
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+    if head == "mlm_prompt" and tokenizer.mask_token is None:
+        raise ValueError(f"head='mlm_prompt' needs a tokenizer with a mask token; {name_or_path!r} has none.")
+    return tokenizer
+
+
+def load_model(name_or_path: str, setup: TaskSetup, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    """The model for ``setup.head``: a sequence classifier, or an LM wrapped in a :class:`LabelWordClassifier`."""
+    check_head(setup.head)
+    try:
+        AutoConfig.from_pretrained(name_or_path)
+    except Exception as error:
+        raise ValueError(f"Could not load model {name_or_path!r}: not a local model folder nor a reachable Hub model "
+                         f"({type(error).__name__}: {error}).") from error  # fmt: skip
+    if setup.head == "classification":
+        return AutoModelForSequenceClassification.from_pretrained(
+            name_or_path, num_labels=setup.num_labels, dtype=torch.float32
+        )
+    auto = AutoModelForMaskedLM if setup.head == "mlm_prompt" else AutoModelForCausalLM
+    try:
+        lm = auto.from_pretrained(name_or_path, dtype=torch.float32)
+    except ValueError as error:
+        kind = "masked-LM" if setup.head == "mlm_prompt" else "causal-LM"
+        raise ValueError(f"{name_or_path!r} has no {kind} architecture for head={setup.head!r}: {error}") from error
+    ids = label_word_ids(tokenizer, setup.label_words or [])
+    if len(ids) != setup.num_labels:
+        raise ValueError(
+            f"label_words {setup.label_words} give {len(ids)} words for {setup.num_labels} classes "
+            f"{setup.label_names}: give one word per class, in class order."
+        )
+    head = "mlm" if setup.head == "mlm_prompt" else "causal"
+    return LabelWordClassifier(lm, ids, head, tokenizer.mask_token_id)
+
+
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``PreTrainedModel`` to save: the LM inside a :class:`LabelWordClassifier`, else the model itself."""
+    return model.lm if isinstance(model, LabelWordClassifier) else model
+
+
+def freeze(model: torch.nn.Module, embeddings: bool, lm_head: bool) -> list[str]:
+    """Freeze the input embeddings and/or the LM head (paper defaults with SGD); returns the frozen names."""
+    base = inner_model(model)
+    frozen = set()
+    if embeddings:
+        frozen |= {id(p) for p in base.get_input_embeddings().parameters()}
+        for name, module in base.named_modules():
+            if name.endswith("embeddings") or name.endswith("embed_tokens"):
+                frozen |= {id(p) for p in module.parameters()}
+    if lm_head and isinstance(model, LabelWordClassifier) and base.get_output_embeddings() is not None:
+        frozen |= {id(p) for p in base.get_output_embeddings().parameters()}
+        for name, module in base.named_modules():
+            if name in ("lm_head", "cls") or name.startswith("lm_head.") or name.startswith("cls."):
+                frozen |= {id(p) for p in module.parameters()}
+    names = []
+    for name, param in model.named_parameters():
+        if id(param) in frozen:
+            param.requires_grad_(False)
+            names.append(name)
+    return names
+
+
+def gguf_to_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """Dequantize a GGUF causal LM once and save it (with its tokenizer) as a safetensors model folder.
+
+    ``save_pretrained`` refuses a GGUF-loaded model, so the state dict is copied into a fresh model first.
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return str(out_dir)
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ValueError(f"GGUF file {str(gguf_path)!r} does not exist.")
+    logger.info("Dequantizing %s (about 30 s) into %s", gguf_path, out_dir)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    fresh = type(loaded)(loaded.config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
+    return str(out_dir)

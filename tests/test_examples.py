@@ -1,0 +1,200 @@
+"""The example scripts (examples/run_*.py) end to end on tiny random models and a tiny offline tokenizer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    BertTokenizerFast,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import run_finetune  # noqa: E402
+import utils_data  # noqa: E402
+
+POSITIVE = ["good", "great", "fun", "moving", "brilliant", "lovely"]
+NEGATIVE = ["bad", "dull", "boring", "awful", "flat", "tedious"]
+FILLER = ["the", "movie", "film", "was", "very", "plot", "and", "it", "a", "story", "is", "review", "sentiment"]
+WORDS = sorted(set(POSITIVE + NEGATIVE + FILLER + ["terrible", "positive", "negative", ":", "."]))
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37)
+FAST = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--use_cpu", "true"]
+
+
+def _sentences(n: int, seed: int) -> pd.DataFrame:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        label = i % 2
+        words = POSITIVE if label else NEGATIVE
+        pick = lambda pool: pool[int(torch.randint(len(pool), (1,), generator=generator))]  # noqa: E731
+        rows.append({"sentence": f"the {pick(FILLER)} was {pick(words)} and {pick(words)}", "label": label})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """A tiny tokenizer, tiny BERT classifier / BERT masked LM / Llama causal LM folders, and train/test csv files."""
+    root = tmp_path_factory.mktemp("assets")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(SPECIAL + WORDS) + "\n")
+    tokenizer = BertTokenizerFast(vocab=str(vocab), do_lower_case=True)
+    torch.manual_seed(0)
+    bert = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=64, **SMALL)
+    llama = LlamaConfig(
+        vocab_size=len(tokenizer), num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=0, **SMALL
+    )
+    paths = {}
+    for name, model in {
+        "cls": BertForSequenceClassification(bert),
+        "mlm": BertForMaskedLM(bert),
+        "causal": LlamaForCausalLM(llama),
+    }.items():
+        paths[name] = str(root / name)
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    paths["train"] = str(root / "train.csv")
+    paths["test"] = str(root / "test.csv")
+    paths["ood"] = str(root / "ood.tsv")
+    _sentences(40, 0).to_csv(paths["train"], index=False)
+    _sentences(24, 1).to_csv(paths["test"], index=False)
+    _sentences(16, 2).to_csv(paths["ood"], sep="\t", index=False)
+    return paths
+
+
+HEAD_ARGS = {
+    "classification": ("cls", []),
+    "mlm_prompt": ("mlm", ["--template", "{sentence} it was {mask} .", "--label_words", "bad,good"]),
+    "causal_prompt": (
+        "causal",
+        ["--template", "review : {sentence} sentiment :", "--label_words", "negative,positive"],
+    ),
+}
+
+
+def finetune_args(assets, head: str, out: Path, *extra: str) -> list[str]:
+    model, head_args = HEAD_ARGS[head]
+    return [
+        "--model_name_or_path", assets[model], "--head", head, *head_args,
+        "--dataset_name_or_path", assets["train"], "--text_column", "sentence", "--k_shot", "8",
+        "--output_dir", str(out), *FAST, *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finetuned(assets, tmp_path_factory) -> dict[str, str]:
+    """One fine-tuned folder per head (3 SGD steps)."""
+    out = {}
+    for head in HEAD_ARGS:
+        out[head] = str(tmp_path_factory.mktemp(f"ft_{head}"))
+        run_finetune.main(finetune_args(assets, head, Path(out[head]), "--learning_rate", "0.5"))
+    return out
+
+
+@pytest.mark.parametrize("head", list(HEAD_ARGS))
+def test_finetune_saves_a_reloadable_model_that_moved(assets, finetuned, head):
+    setup = utils_data.TaskSetup.load(finetuned[head])
+    assert setup.head == head and setup.label_names == ["0", "1"]
+    model_key = HEAD_ARGS[head][0]
+    tokenizer = utils_data.load_tokenizer(finetuned[head], head)
+    pre = utils_data.load_model(assets[model_key], setup, tokenizer)
+    ft = utils_data.load_model(finetuned[head], setup, tokenizer)
+    pre_state, ft_state = dict(pre.named_parameters()), dict(ft.named_parameters())
+    moved = [n for n in ft_state if not torch.equal(ft_state[n], pre_state[n])]
+    assert moved, "fine-tuning changed nothing"
+    # Paper default: embeddings frozen (and the tied LM head of prompt-based heads).
+    assert not any("embeddings" in n or "embed_tokens" in n for n in moved if "classifier" not in n)
+
+
+def test_finetune_validation_metrics_and_paper_steps(assets, tmp_path):
+    metrics = run_finetune.main(
+        finetune_args(
+            assets, "classification", tmp_path, "--validation_dataset", assets["test"], "--validation_split", "train"
+        )
+    )
+    assert {"eval_accuracy", "eval_ece"} <= set(metrics)
+    assert run_finetune.paper_max_steps(2, 16) == 512
+    assert run_finetune.paper_max_steps(2, 4096) == 16 * 2 * 512
+
+
+def test_finetune_movement_l1_adamw(assets, tmp_path):
+    metrics = run_finetune.main(
+        finetune_args(
+            assets,
+            "classification",
+            tmp_path,
+            "--optim",
+            "adamw_torch",
+            "--learning_rate",
+            "1e-3",
+            "--movement_l1",
+            "1e-3",
+        )
+    )
+    assert metrics["train_loss"] > 0
+    assert json.loads((tmp_path / "all_results.json").read_text())["train_loss"] == metrics["train_loss"]
+
+
+# ---------------------------------------------------------------------------------------------------------- bad input
+def test_unknown_model_path(assets, tmp_path):
+    args = finetune_args(assets, "classification", tmp_path)
+    args[args.index("--model_name_or_path") + 1] = str(tmp_path / "no_such_model")
+    with pytest.raises(ValueError, match="Could not load"):
+        run_finetune.main(args)
+
+
+def test_unknown_dataset_path(assets, tmp_path):
+    args = finetune_args(assets, "classification", tmp_path)
+    args[args.index("--dataset_name_or_path") + 1] = str(tmp_path / "missing.csv")
+    with pytest.raises(ValueError, match="does not exist"):
+        run_finetune.main(args)
+
+
+def test_missing_columns(assets, tmp_path):
+    args = finetune_args(assets, "classification", tmp_path)
+    args[args.index("--text_column") + 1] = "text"
+    with pytest.raises(ValueError, match=r"no column\(s\) \['text'\].*--text_column"):
+        run_finetune.main(args)
+
+
+@pytest.mark.parametrize("head", ["mlm_prompt", "causal_prompt"])
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        ("bad,good great", "'good great' is 2 tokens"),
+        ("bad,zzz", "'zzz' is not in the tokenizer's vocabulary"),
+        ("bad,bad", "repeated token ids"),
+        ("bad", "give 1 words for 2 classes"),
+    ],
+)
+def test_label_words_must_be_single_tokens(assets, tmp_path, head, words, message):
+    args = finetune_args(assets, head, tmp_path)
+    args[args.index("--label_words") + 1] = words
+    with pytest.raises(ValueError, match=message):
+        run_finetune.main(args)
+
+
+def test_k_larger_than_a_class(assets, tmp_path):
+    args = finetune_args(assets, "classification", tmp_path)
+    args[args.index("--k_shot") + 1] = "21"
+    with pytest.raises(ValueError, match="k_shot=21 exceeds"):
+        run_finetune.main(args)
+
+
+def test_unknown_head(assets, tmp_path):
+    args = finetune_args(assets, "classification", tmp_path)
+    args[args.index("--head") + 1] = "regression"
+    with pytest.raises(ValueError, match="Unknown head"):
+        run_finetune.main(args)
