@@ -5,9 +5,10 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import make_bert_cls
 from datasets import Dataset
 from matplotlib.image import imread
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
 from peft_graft.calibration.metrics import calibration_report, f1_score
 from peft_graft.calibration.trainer import CalibrationCallback, CalibrationMetrics, _metric_prefix, make_compute_metrics
@@ -29,15 +30,7 @@ def _dataset(n: int, seed: int) -> Dataset:
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        num_labels=NUM_LABELS,
-    )
-    return BertForSequenceClassification(config).eval()
+    return make_bert_cls().eval()  # 3 labels
 
 
 @pytest.fixture(scope="module")
