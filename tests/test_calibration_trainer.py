@@ -143,6 +143,21 @@ def test_metric_prefix_from_names():
     assert _metric_prefix(metrics, ["ece", "nll"]) is None
 
 
+def test_callback_skips_evaluations_it_cannot_match(tmp_path, caplog):
+    from transformers import TrainerControl, TrainerState
+
+    compute_metrics = make_compute_metrics(metrics=["ece"])
+    callback = CalibrationCallback(compute_metrics, output_dir=tmp_path)
+    args, state, control = _args(tmp_path), TrainerState(), TrainerControl()
+    callback.on_evaluate(args, state, control, metrics={"eval_loss": 1.0})  # compute_metrics did not run
+    compute_metrics((np.array([[0.9, 0.1]]), np.array([0])))
+    with caplog.at_level(logging.WARNING, logger="peft_graft.calibration.trainer"):
+        callback.on_evaluate(args, state, control, metrics={"eval_loss": 1.0})  # ... or its keys are missing
+    assert "lack ['ece']" in caplog.text
+    assert callback.history == [] and not list(tmp_path.iterdir())
+    assert compute_metrics.last is None  # consumed: a later evaluation cannot pick up a stale snapshot
+
+
 def test_calibration_table_from_trainers(model, datasets_, tmp_path):
     from peft_graft.calibration.metrics import agreement
     from peft_graft.calibration.table import calibration_table
