@@ -12,6 +12,7 @@ from .penalties import MovementL1Penalty, MovementL1Trainer
 from .regions import Region, global_top_k, random_region, top_k_movement
 from .registration import register
 from .stats import GraftStats
+from .trainer import MaskTrainer, MaskTrainingArguments
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,8 @@ __all__ = [
     "GraftStats",
     "MovementL1Penalty",
     "MovementL1Trainer",
+    "MaskTrainer",
+    "MaskTrainingArguments",
     "Region",
     "global_top_k",
     "random_region",

@@ -107,7 +107,7 @@ class GraftConfig(PeftConfig):
                 raise TypeError(f"sparsity must be a float in (0, 1], got {self.sparsity!r}.")
             if not (0.0 < self.sparsity <= 1.0) or math.isnan(self.sparsity):
                 raise ValueError(f"sparsity must lie in (0, 1], got {self.sparsity}: e.g. 1e-4 grafts 0.01%.")
-        if self.region == "empty" and not self.learn_region:
+        if self.region == "empty" and not self.learn_region and not self.grafted_modules:  # hardened: fine
             raise ValueError('region="empty" (gamma_base = 0) is only meaningful with learn_region=True.')
         if self.region == "given" and self._given_region is None and not self.grafted_modules:
             raise ValueError('region="given" needs given_region=<masks, Region or saved graft path>.')

@@ -10,6 +10,45 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 
+class _GraftedTensors(torch.autograd.Function):
+    """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
+
+    Saves no dense temporary for backward (only references to S and delta, which exist anyway): ``sigmoid(S)`` is
+    recomputed there. One call per layer, so the gradient of the layer's flat S is allocated once.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, movement, base, offsets, *thetas):
+        ctx.save_for_backward(scores, movement, base)
+        ctx.offsets = offsets
+        ctx.dtypes = [theta.dtype for theta in thetas]
+        gamma = torch.sigmoid(scores.detach())
+        if base.numel():
+            gamma[base] = 1.0 - gamma[base]
+        outputs = []
+        for i, theta in enumerate(thetas):
+            a, b = offsets[i], offsets[i + 1]
+            out = torch.addcmul(theta.detach().reshape(-1).float(), gamma[a:b], movement[a:b])
+            outputs.append(out.to(theta.dtype).view_as(theta))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        scores, movement, base = ctx.saved_tensors
+        offsets = ctx.offsets
+        grad = torch.empty_like(scores)
+        for i, g in enumerate(grads):
+            a, b = offsets[i], offsets[i + 1]
+            if g is None:
+                grad[a:b] = 0.0
+            else:
+                torch.mul(g.reshape(-1), movement[a:b], out=grad[a:b])
+        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
+        if base.numel():
+            grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
+        return (grad, None, None, None, *([None] * len(grads)))
+
+
 class GraftLayer(nn.Module, BaseTunerLayer):
     """Wraps one module and grafts sparse entries onto its parameters.
 
@@ -20,7 +59,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     Per adapter it holds either a hard region (``graft_indices``, sorted, and fp32 ``graft_values`` = theta_ft -
     theta_pre there), or, while :class:`~peft_graft.MaskTrainer` learns the region, the dense training state of paper
     Eq. 4: scores ``S`` (``graft_scores``), movement ``theta_ft - theta_pre`` (``graft_movement``) and the candidate
-    region ``gamma_base`` (``graft_base_region``). Only the hard region is ever saved.
+    region ``gamma_base`` (``graft_base_region``). Only the hard region is ever saved. The movement is a plain dict, not
+    a buffer: DDP would broadcast a buffer every step, FSDP would shard and gather it; it is runtime state only.
     """
 
     adapter_layer_names = ("graft_values", "graft_scores")
@@ -37,13 +77,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_values = nn.ParameterDict()
         self.graft_indices = BufferDict(persistent=True)
         self.graft_scores = nn.ParameterDict()
-        self.graft_movement = BufferDict(persistent=False)
+        self.graft_movement: dict[str, torch.Tensor] = {}  # not a buffer: never broadcast, synced or saved
         self.graft_base_region = BufferDict(persistent=False)
         self.stored_attrs = list(stored_attrs)
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
         self.fingerprints: dict[str, list[float]] = {}
         self.verify_base: dict[str, bool] = {}
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
+        self._hard_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rounded learning region, for eval
         self._disable_adapters = False
         self.merged_adapters = []
         sizes = [getattr(base_layer, attr).numel() for attr in self.stored_attrs]
@@ -104,12 +145,37 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return indices, self.graft_movement[adapter_name][indices]
 
     def drop_training_state(self, adapter_name: str) -> None:
+        self._hard_cache.pop(adapter_name, None)
         for container in (self.graft_scores, self.graft_movement, self.graft_base_region):
             if adapter_name in container:
                 del container[adapter_name]
 
     def is_training_region(self, adapter_name: str) -> bool:
         return adapter_name in self.graft_scores
+
+    def use_hard_region(self, adapter_name: str, hard: bool) -> None:
+        """While learning, make the forward apply ``round(gamma)`` (``hard=True``) or the soft gamma of Eq. 4."""
+        self._hard_cache.pop(adapter_name, None)
+        if hard and self.is_training_region(adapter_name):
+            self._hard_cache[adapter_name] = self.harden(adapter_name)
+
+    def num_hard_entries(self, adapter_name: str) -> int:
+        """Size of ``round(gamma)`` (moved entries only), without materialising the region."""
+        with torch.no_grad():
+            gamma = self.gamma(adapter_name)
+            return int(((gamma >= 0.5) & (self.graft_movement[adapter_name] != 0)).sum())
+
+    def soft_parameters(self, adapter_name: str) -> dict[str, torch.Tensor]:
+        """``theta_pre + gamma(S) * delta`` (paper Eq. 3-4) for every stored tensor, differentiable in S."""
+        movement = self.graft_movement[adapter_name]
+        scores = self.graft_scores[adapter_name]
+        if movement.device != scores.device:  # a plain dict does not follow module.to(): move it once
+            movement = self.graft_movement[adapter_name] = movement.to(scores.device)
+        thetas = [getattr(self.base_layer, attr) for attr in self.stored_attrs]
+        offsets = [int(o) for o in self.offsets]
+        base = self.graft_base_region[adapter_name]
+        outputs = _GraftedTensors.apply(scores, movement, base, offsets, *thetas)
+        return dict(zip(self.stored_attrs, outputs, strict=True))
 
     def base_values(self, indices: torch.Tensor) -> torch.Tensor:
         """Current values of the stored tensors at flat ``indices`` (as fp32)."""
@@ -173,14 +239,16 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.verify_base[adapter_name] = False  # checked once
 
     # ----------------------------------------------------------------------------------------------- forward
-    def _contribution(self, adapter_name: str, attr: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        """Dense ``gamma * movement`` while training, else the sparse ``(indices, values)`` of tensor ``attr``."""
-        if adapter_name not in self.graft_values and adapter_name not in self.graft_scores:
+    def _contribution(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sparse ``(indices, values)`` of tensor ``attr`` (of the rounded region while one is being learned)."""
+        if adapter_name in self._hard_cache:
+            indices, values = self._hard_cache[adapter_name]
+            for name, local, position in self._split(indices):
+                if name == attr:
+                    return local, values[position]
             return None
-        if self.is_training_region(adapter_name):
-            i = self.stored_attrs.index(attr)
-            dense = self.gamma(adapter_name) * self.graft_movement[adapter_name]
-            return dense[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        if adapter_name not in self.graft_values:
+            return None
         self.check_base(adapter_name)
         return self.sparse_entries(adapter_name, attr)
 
@@ -188,19 +256,24 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Parameters of the base layer with the given adapters grafted on, for those that change."""
         sources = {attr: (self, attr) for attr in self.stored_attrs} | self.tied_sources
         overrides = {}
+        soft: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # one autograd node per (source layer, adapter)
         for attr, (layer, source_attr) in sources.items():
             param = getattr(self.base_layer, attr)
             value = param
             for adapter_name in adapter_names:
+                if layer.is_training_region(adapter_name) and adapter_name not in layer._hard_cache:
+                    key = (id(layer), adapter_name)
+                    if key not in soft:
+                        soft[key] = layer.soft_parameters(adapter_name)
+                    # Soft graft of the learning adapter, plus what earlier adapters added to this tensor.
+                    value = soft[key][source_attr] if value is param else value + (soft[key][source_attr] - param)
+                    continue
                 contribution = layer._contribution(adapter_name, source_attr)
                 if contribution is None:
                     continue
-                if isinstance(contribution, torch.Tensor):
-                    value = (value.float() + contribution.view_as(value)).to(param.dtype)
-                else:
-                    indices, values = contribution
-                    flat = value.reshape(-1)
-                    value = flat.index_put((indices,), (flat[indices].float() + values).to(param.dtype)).view_as(param)
+                indices, values = contribution
+                flat = value.reshape(-1)
+                value = flat.index_put((indices,), (flat[indices].float() + values).to(param.dtype)).view_as(param)
             if value is not param:
                 overrides[attr] = value
         return overrides

@@ -1,0 +1,358 @@
+"""``MaskTrainer``: learn the grafting region of a graft PeftModel (Panigrahi et al., ICML 2023, section 2.3).
+
+Only the scores ``S`` are trained: ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)`` (Eq. 4)
+and the loss is that of ``theta_pre + gamma * (theta_ft - theta_pre)`` (Eq. 3). Evaluation applies the rounded
+(hard) mask, every checkpoint is a loadable sparse graft (the dense ``S`` rides along in ``graft_scores.safetensors``
+for resuming only), and after training the model holds the hard sparse graft: ``round(gamma)``, or exactly
+``num_entries`` entries of largest ``gamma``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import TrainOutput
+
+from .layer import GraftLayer
+from .layout import build_layout
+from .model import GraftModel
+
+logger = logging.getLogger(__name__)
+
+SCORES_NAME = "graft_scores.safetensors"
+LABEL_KEYS = ("labels", "label", "label_ids", "start_positions")
+
+
+@dataclass
+class MaskTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` whose defaults are the paper's mask training (section 3), plus the mask fields.
+
+    Paper defaults: SGD without momentum or weight decay (``optim="sgd"``, ``weight_decay=0``), ``learning_rate=1e7``,
+    ``max_steps=100``, a constant schedule without warmup, no gradient clipping (``max_grad_norm=0``), and a global
+    batch of 1024 examples or the whole training set when it is smaller (``mask_batch_size``, reached with gradient
+    accumulation). Every field can be changed.
+
+    Args:
+        mask_batch_size: Global batch of one mask step (all processes, all accumulation steps). ``MaskTrainer``
+            derives ``gradient_accumulation_steps`` from it, ``per_device_train_batch_size`` and the world size;
+            the whole training set when it is smaller. ``None``: use the batch arguments as given.
+        num_entries: Exact budget after training: keep the ``num_entries`` entries of largest ``gamma``. ``None``:
+            keep ``round(gamma)`` (the paper).
+        l1_penalty: Weight of an optional ``l1_penalty * sum(sigmoid(S))`` added to the training loss (the paper's
+            alternative to few steps). ``0`` disables it.
+        select_on_train: Also evaluate the hard mask on the training set at each evaluation and report
+            ``eval_train_plus_eval_<metric>`` (the paper picks the mask by train + validation score); use it with
+            ``metric_for_best_model="train_plus_eval_<metric>"`` and ``load_best_model_at_end=True``.
+    """
+
+    learning_rate: float = field(default=1e7, metadata={"help": "Learning rate of S (paper: 1e7)."})
+    max_steps: int = field(default=100, metadata={"help": "Mask-training steps (paper: 100)."})
+    optim: str = field(default="sgd", metadata={"help": "Optimizer of S (paper: SGD without momentum)."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule (paper: constant)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay on S (paper: none)."})
+    warmup_steps: float = field(default=0, metadata={"help": "Warmup steps (paper: none)."})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping of S (paper: none; 0 = off)."})
+    mask_batch_size: int | None = field(
+        default=1024, metadata={"help": "Global batch of a mask step, or the full training set when smaller."}
+    )
+    num_entries: int | None = field(
+        default=None, metadata={"help": "Exact number of grafted entries after training; None = round(gamma)."}
+    )
+    l1_penalty: float = field(default=0.0, metadata={"help": "Weight of l1_penalty * sum(sigmoid(S)) in the loss."})
+    select_on_train: bool = field(
+        default=False, metadata={"help": "Also evaluate on the training set; report train + eval metric sums."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_entries is not None:
+            if isinstance(self.num_entries, bool) or not isinstance(self.num_entries, int):
+                raise TypeError(f"num_entries must be an int or None, got {type(self.num_entries).__name__}.")
+            if self.num_entries < 1:
+                raise ValueError(
+                    f"num_entries={self.num_entries}: a graft needs at least 1 entry. Use None to keep round(gamma)."
+                )
+        if self.mask_batch_size is not None and (
+            isinstance(self.mask_batch_size, bool)
+            or not isinstance(self.mask_batch_size, int)
+            or self.mask_batch_size < 1
+        ):
+            raise ValueError(f"mask_batch_size must be a positive int or None, got {self.mask_batch_size!r}.")
+        if not (self.l1_penalty >= 0.0) or math.isinf(self.l1_penalty):
+            raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
+
+
+class MaskTrainer(Trainer):
+    """A ``transformers.Trainer`` that learns the region of a graft PeftModel and leaves the hard sparse graft.
+
+    The model must come from ``get_peft_model(pre, GraftConfig(finetuned=ft, learn_region=True, ...))``. All its
+    parameters are frozen except the scores ``S``. The loss is whatever the model returns (or ``compute_loss_func``),
+    plus the optional L1 penalty. After :meth:`train`, ``trainer.model`` holds the hard region and
+    ``trainer.mask_report`` the number of grafted entries before (``round(gamma)``) and after the exact budget.
+    """
+
+    def __init__(self, model: PeftModel | None = None, args: MaskTrainingArguments | None = None, **kwargs: Any):
+        adapter_name = _check_model(model)
+        if args is None:
+            args = MaskTrainingArguments(output_dir="mask_trainer_output")
+        if not isinstance(args, MaskTrainingArguments):
+            raise TypeError(
+                f"args must be MaskTrainingArguments (the paper's defaults and the mask fields), got "
+                f"{type(args).__name__}: use MaskTrainingArguments(output_dir=..., ...)."
+            )
+        _configure_global_batch(args, kwargs.get("train_dataset"))
+        for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
+            param.requires_grad_(f"graft_scores.{adapter_name}" in name)
+        super().__init__(model=model, args=args, **kwargs)
+        # Each micro-batch loss is taken as a mean and divided by the accumulation steps, so that a step's gradient is
+        # that of the mean loss over the global batch on any number of processes (many heads, e.g. sequence
+        # classification, ignore the num_items_in_batch the Trainer would otherwise rely on).
+        self.model_accepts_loss_kwargs = False
+        self.adapter_name = adapter_name
+        layers = self._learning_layers()
+        self._num_moved = sum(int((layer.graft_movement[adapter_name] != 0).sum()) for layer in layers)
+        self._num_parameters = sum(
+            info.parameter.numel() for info in build_layout(model.base_model.model).tensors.values()
+        )
+        self.mask_report: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------------ mask state
+    def _learning_layers(self) -> list[GraftLayer]:
+        graft_model: GraftModel = self.model.base_model
+        return [layer for layer in graft_model.graft_layers().values() if layer.is_training_region(self.adapter_name)]
+
+    def num_grafted_entries(self) -> int:
+        """Size of the current hard region (``round(gamma)`` while learning)."""
+        layers = self._learning_layers()
+        if layers:
+            return sum(layer.num_hard_entries(self.adapter_name) for layer in layers)
+        return self.model.base_model.get_region(self.adapter_name).num_entries
+
+    @contextmanager
+    def hard_mask(self) -> Iterator[None]:
+        """Within this context the model applies the rounded region ``round(gamma)`` (as the paper evaluates)."""
+        layers = self._learning_layers()
+        for layer in layers:
+            layer.use_hard_region(self.adapter_name, True)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.use_hard_region(self.adapter_name, False)
+
+    def _scores_state(self) -> dict[str, torch.Tensor]:
+        graft_model: GraftModel = self.model.base_model
+        return {
+            module: layer.graft_scores[self.adapter_name].detach().cpu().contiguous()
+            for module, layer in graft_model.graft_layers().items()
+            if layer.is_training_region(self.adapter_name)
+        }
+
+    def _load_scores(self, path: str) -> None:
+        state = load_file(path)
+        graft_model: GraftModel = self.model.base_model
+        layers = {
+            m: layer for m, layer in graft_model.graft_layers().items() if layer.is_training_region(self.adapter_name)
+        }
+        if set(state) != set(layers):
+            raise ValueError(f"{path} holds scores for other modules than this model's learning graft layers.")
+        with torch.no_grad():
+            for module, layer in layers.items():
+                layer.graft_scores[self.adapter_name].copy_(state[module])
+
+    # ------------------------------------------------------------------------------------------ training
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
+        """Learn S (paper Eq. 3-4), then harden: ``round(gamma)``, or the ``num_entries`` of largest gamma."""
+        if not self._learning_layers():
+            raise ValueError(
+                f"Adapter {self.adapter_name!r} is no longer learning its region (it was hardened): build a new "
+                "graft with GraftConfig(finetuned=..., learn_region=True) to train again."
+            )
+        self._check_labels()
+        output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        if self.args.num_entries is not None and self.args.num_entries > self._num_moved:
+            raise ValueError(
+                f"num_entries={self.args.num_entries} exceeds the {self._num_moved} entries fine-tuning moved: lower "
+                "it. The learned scores are kept: set trainer.args.num_entries and call trainer.finalize_mask()."
+            )
+        self.finalize_mask()
+        logger.info(
+            "Grafted entries: %(grafted_entries_rounded)d by round(gamma), %(grafted_entries)d kept.", self.mask_report
+        )
+        if self.is_world_process_zero():
+            self.log({f"final_{k}": v for k, v in self.mask_report.items()})
+        return output
+
+    def finalize_mask(self) -> int:
+        """Harden the learned region in place (``round(gamma)`` or ``args.num_entries``); returns its size."""
+        rounded = self.num_grafted_entries()
+        kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
+        if kept == 0:
+            logger.warning(
+                "The learned region is empty (no gamma reached 0.5): raise learning_rate or max_steps, or set "
+                "num_entries to keep the entries of largest gamma."
+            )
+        self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
+        return kept
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not self.args.l1_penalty or not model.training:
+            return result
+        loss, outputs = result if return_outputs else (result, None)
+        penalty = self.args.l1_penalty * sum(
+            torch.sigmoid(layer.graft_scores[self.adapter_name]).sum() for layer in self._learning_layers()
+        )
+        # Add the penalty once per optimizer step: the Trainer divides the loss by the accumulation steps only when
+        # it is a per-batch mean (the same test as in Trainer.training_step).
+        scaled = (
+            self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or self.compute_loss_func is not None
+        if scaled:
+            penalty = penalty / self.current_gradient_accumulation_steps
+        loss = loss + penalty.to(loss.device)
+        return (loss, outputs) if return_outputs else loss
+
+    def _check_labels(self) -> None:
+        """Fail before training when the training examples carry no labels the model could compute a loss from."""
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("MaskTrainer needs a train_dataset: the region is learned from the task loss.")
+        if self.compute_loss_func is not None or type(self).compute_loss is not MaskTrainer.compute_loss:
+            return  # a user loss may find its targets anywhere
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            return
+        if len(dataset) == 0:
+            raise ValueError("train_dataset is empty.")
+        try:
+            batch = self.data_collator([self._remove_unused_columns(dataset, description="training")[0]])
+        except Exception:  # an exotic dataset or collator: the Trainer will report its own error
+            return
+        keys = set(batch) if isinstance(batch, dict) else set()
+        if keys and not keys & {*LABEL_KEYS, *self.label_names}:
+            raise ValueError(
+                f"The training batches have no labels (keys: {sorted(keys)}): MaskTrainer learns the region from the "
+                "task loss. Add a 'labels' (or 'label') column, use a data collator that creates labels (e.g. "
+                "DataCollatorForLanguageModeling for causal LMs), or pass compute_loss_func."
+            )
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate the hard (rounded) region, as the paper does; optionally also on the training set."""
+        with self.hard_mask():
+            metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            extra = {f"{metric_key_prefix}_grafted_entries": self.num_grafted_entries()}
+            if self.args.select_on_train and metric_key_prefix.startswith("eval") and self.train_dataset is not None:
+                train = super().evaluate(self.train_dataset, ignore_keys=ignore_keys, metric_key_prefix="train")
+                for key, value in metrics.items():
+                    name = key.removeprefix(f"{metric_key_prefix}_")
+                    if f"train_{name}" in train and isinstance(value, (int, float)) and "runtime" not in name:
+                        extra[f"{metric_key_prefix}_train_plus_eval_{name}"] = value + train[f"train_{name}"]
+        metrics.update(extra)
+        self.log(extra)
+        return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        with self.hard_mask():
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._learning_layers():
+            grafted = self.num_grafted_entries()
+            logs["grafted_entries"] = grafted
+            logs["sparsity"] = grafted / max(self._num_parameters, 1)
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """A loadable sparse graft (``round(gamma)``); while learning, S rides along for resuming."""
+        super()._save(output_dir, state_dict)
+        scores = self._scores_state()
+        if scores:
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            save_file(scores, os.path.join(output_dir, SCORES_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        path = os.path.join(resume_from_checkpoint, SCORES_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{resume_from_checkpoint} holds no mask-training state ({SCORES_NAME}): resume from a checkpoint "
+                "written by MaskTrainer during training."
+            )
+        self._load_scores(path)
+
+    def _load_best_model(self) -> None:
+        path = os.path.join(self.state.best_model_checkpoint, SCORES_NAME)
+        if not os.path.isfile(path):
+            logger.warning("Best checkpoint %s has no %s: keeping the last mask.", path, SCORES_NAME)
+            return
+        logger.info("Loading the best mask from %s (score: %s).", path, self.state.best_metric)
+        self._load_scores(path)
+
+
+def _check_model(model: Any) -> str:
+    """The learning adapter of a graft PeftModel, or a clear error."""
+    if not isinstance(model, PeftModel) or not isinstance(model.base_model, GraftModel):
+        raise TypeError(
+            f"MaskTrainer needs a graft PeftModel, got {type(model).__name__}: create it with "
+            "peft.get_peft_model(pretrained, GraftConfig(finetuned=finetuned, learn_region=True, ...))."
+        )
+    adapter_name = model.active_adapters[0]
+    layers = [m for m in model.base_model.graft_layers().values() if m.is_training_region(adapter_name)]
+    if not layers:
+        raise ValueError(
+            f"Adapter {adapter_name!r} has no theta_ft attached to learn a region from: create the graft with "
+            "GraftConfig(finetuned=<fine-tuned model, path or state dict>, learn_region=True). A graft loaded with "
+            "PeftModel.from_pretrained, or one already hardened, holds only its sparse entries."
+        )
+    return adapter_name
+
+
+def _configure_global_batch(args: MaskTrainingArguments, train_dataset: Any) -> None:
+    """Set ``gradient_accumulation_steps`` so that one step sees ``mask_batch_size`` examples (or the full set)."""
+    if args.mask_batch_size is None:
+        return
+    target = args.mask_batch_size
+    if train_dataset is not None and hasattr(train_dataset, "__len__") and len(train_dataset) > 0:
+        target = min(target, len(train_dataset))
+    per_pass = args.per_device_train_batch_size * args.world_size
+    accumulation = max(1, math.ceil(target / per_pass))
+    if args.gradient_accumulation_steps not in (1, accumulation):
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} with per_device_train_batch_size="
+            f"{args.per_device_train_batch_size} on {args.world_size} process(es) gives a global batch of "
+            f"{args.gradient_accumulation_steps * per_pass}, not mask_batch_size={target}: leave "
+            "gradient_accumulation_steps at 1 (MaskTrainer derives it) or set mask_batch_size=None."
+        )
+    if accumulation * per_pass != target:
+        logger.warning(
+            "mask_batch_size=%d is not a multiple of per_device_train_batch_size (%d) x world size (%d): one mask "
+            "step accumulates %d batches (%d examples%s). Choose sizes that divide evenly to get exactly the "
+            "same steps on any number of processes.",
+            target,
+            args.per_device_train_batch_size,
+            args.world_size,
+            accumulation,
+            accumulation * per_pass,
+            ", one pass over the training set" if train_dataset is not None and target == len(train_dataset) else "",
+        )
+    args.gradient_accumulation_steps = accumulation

@@ -1,0 +1,320 @@
+"""MaskTrainer: paper Eq. 3-4 mask training as a transformers Trainer (issue 3)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from conftest import VOCAB, clone_model, make_pair
+from datasets import Dataset
+from peft import PeftModel, get_peft_model
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+import peft_graft.layer as graft_layer
+from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
+
+
+def fast_args(tmp_path, **kwargs) -> MaskTrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        seed=0,
+    )
+    return MaskTrainingArguments(**{**defaults, **kwargs})
+
+
+def cls_dataset(n: int = 16, length: int = 9, seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (n, length), generator=g)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
+
+
+def learning_graft(arch: str = "roberta_cls", **config):
+    """A tiny graft learning its region; dropout off, so that differently split batches give the same step."""
+    pre, finetuned, task_type = make_pair(arch)
+    config = {"num_entries": 20, "learn_region": True, "task_type": task_type, **config}
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, **config))
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return pre, model
+
+
+def scores(model) -> dict[str, torch.Tensor]:
+    return {
+        n: m.graft_scores["default"].detach().clone()
+        for n, m in model.named_modules()
+        if isinstance(m, GraftLayer) and m.is_training_region("default")
+    }
+
+
+# ------------------------------------------------------------------------------------------ planted skill
+class Probe(nn.Module):
+    """A linear probe with one logit: the smallest model whose task a few parameters can solve."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 1)
+
+    def forward(self, x, labels=None):
+        logits = self.fc(x).squeeze(-1)
+        loss = None if labels is None else nn.functional.binary_cross_entropy_with_logits(logits, labels.float())
+        return {"loss": loss, "logits": logits}
+
+
+def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement(tmp_path):
+    """theta_ft = theta_pre + 4 planted entries (+3, they solve the task) + large noise on all other entries."""
+    torch.manual_seed(0)
+    d, n, planted = 64, 512, 4
+    pre = Probe(d)
+    with torch.no_grad():
+        pre.fc.weight.mul_(0.1)
+        pre.fc.bias.zero_()
+    x = torch.randn(n, d)
+    data = Dataset.from_dict({"x": x.tolist(), "labels": (x[:, :planted].sum(1) > 0).long().tolist()})
+    finetuned = copy.deepcopy(pre)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        finetuned.fc.weight[0, :planted] += 3.0
+        finetuned.fc.weight[0, planted:] += torch.randn(d - planted, generator=noise) * 2.0
+        finetuned.fc.bias += torch.randn(1, generator=noise) * 2.0
+
+    def accuracy(p):
+        return {"accuracy": float(((p.predictions > 0) == p.label_ids).mean())}
+
+    def iou(region) -> float:
+        found = set(region["fc.weight"].tolist()) if "fc.weight" in region else set()
+        found |= {("bias", int(i)) for i in region["fc.bias"]} if "fc.bias" in region else set()
+        return len(found & set(range(planted))) / len(found | set(range(planted)))
+
+    results = {}
+    for strategy in ("empty", "movement"):
+        config = GraftConfig(finetuned=finetuned, num_entries=planted, region=strategy, learn_region=True)
+        model = get_peft_model(copy.deepcopy(pre), config)
+        args = fast_args(
+            tmp_path, per_device_train_batch_size=256, max_steps=10, learning_rate=1e4, remove_unused_columns=False
+        )
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, compute_metrics=accuracy)
+        if strategy == "movement":  # gamma_base alone: round(gamma) before any step
+            results[strategy] = (iou(model.get_region()), trainer.evaluate()["eval_accuracy"])
+            continue
+        trainer.train()
+        assert args.gradient_accumulation_steps == 2  # full batch (512 < 1024) = 2 x 256
+        results[strategy] = (iou(model.get_region()), trainer.evaluate()["eval_accuracy"])
+    assert results["empty"][0] >= 0.75 and results["empty"][1] >= 0.95, results
+    assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
+
+
+# ------------------------------------------------------------------------------------------ gradient
+def _reference_grafted(scores, movement, base, offsets, *thetas):
+    """Eq. 4 with plain autograd ops (the dense formula the custom autograd Function replaces)."""
+    gamma = torch.sigmoid(scores)
+    gamma = gamma.index_put((base,), 1.0 - gamma[base])
+    values = gamma * movement
+    return tuple((t.float() + values[offsets[i] : offsets[i + 1]].view_as(t)).to(t.dtype) for i, t in enumerate(thetas))
+
+
+@pytest.mark.parametrize("arch", ["roberta_cls", "roberta_mlm", "gpt2"])
+def test_score_gradient_matches_autograd_reference(arch, monkeypatch):
+    _, model = learning_graft(arch)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # scores spread over sigmoid's range, so that both branches of Eq. 4 matter
+        for layer in model.modules():
+            if isinstance(layer, GraftLayer) and layer.is_training_region("default"):
+                s = layer.graft_scores["default"]
+                s.copy_(torch.randn(s.shape, generator=generator) * 3)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
+    labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
+
+    ours = grads()
+    monkeypatch.setattr(graft_layer._GraftedTensors, "apply", _reference_grafted)
+    reference = grads()
+    assert ours.keys() == reference.keys() and ours
+    for name in ours:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-9)
+
+
+def test_gradient_accumulation_gives_the_full_batch_step(tmp_path):
+    data = cls_dataset(16)
+    results = []
+    for per_device in (16, 4):
+        _, model = learning_graft(region="empty")
+        args = fast_args(tmp_path, per_device_train_batch_size=per_device, max_steps=1, learning_rate=1e3)
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+        assert args.gradient_accumulation_steps == 16 // per_device
+        trainer.args.num_entries = None
+        before = scores(model)
+        trainer.train = Trainer.train.__get__(trainer)  # keep the soft state to compare S
+        trainer.train()
+        results.append({k: v - before[k] for k, v in scores(model).items()})
+    for name in results[0]:
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-4, atol=1e-9)
+    assert any(v.abs().max() > 0 for v in results[0].values())
+
+
+# ------------------------------------------------------------------------------------------ hard mask and saving
+def test_hard_mask_evaluation_equals_the_saved_graft(tmp_path):
+    pre, model = learning_graft(region="empty")
+    data = cls_dataset(16)
+    args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e6)
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.is_training_region("default"))
+    with torch.no_grad():
+        layer.graft_scores["default"][:5] = 1.0  # 5 entries in round(gamma), the rest soft but far from 0.5
+        layer.graft_scores["default"][5:40] = -0.5
+    predicted = trainer.predict(data).predictions
+    trainer.save_model(str(tmp_path / "mid"))
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "mid").eval()
+    assert loaded.get_region().num_entries == 5
+    with torch.no_grad():
+        expected = loaded(input_ids=torch.tensor(data["input_ids"])).logits
+    torch.testing.assert_close(torch.as_tensor(predicted), expected)
+    soft = trainer.model.eval()(input_ids=torch.tensor(data["input_ids"])).logits.detach()
+    assert not torch.allclose(soft, expected)  # the soft gamma differs: evaluation really used the hard mask
+
+    trainer.train()
+    assert not any(isinstance(m, GraftLayer) and m.is_training_region("default") for m in model.modules())
+    trainer.save_model(str(tmp_path / "final"))
+    assert not (tmp_path / "final" / "graft_scores.safetensors").exists()  # only the sparse graft
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "final").eval()
+    assert loaded.get_region() == model.get_region()
+    torch.testing.assert_close(
+        torch.as_tensor(trainer.predict(data).predictions),
+        loaded(input_ids=torch.tensor(data["input_ids"])).logits.detach(),
+    )
+
+
+def test_exact_budget_logging_and_best_mask(tmp_path, caplog):
+    _, model = learning_graft(region="movement", num_entries=20)
+    data = cls_dataset(16)
+    args = fast_args(
+        tmp_path,
+        per_device_train_batch_size=8,
+        max_steps=4,
+        learning_rate=1e6,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        select_on_train=True,
+        metric_for_best_model="train_plus_eval_loss",
+        num_entries=7,
+    )
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    with caplog.at_level(logging.INFO, logger="peft_graft.trainer"):
+        trainer.train()
+    assert model.get_region().num_entries == 7
+    assert trainer.mask_report["grafted_entries"] == 7 and trainer.mask_report["grafted_entries_rounded"] >= 1
+    history = trainer.state.log_history
+    train_logs = [h for h in history if "loss" in h]
+    assert train_logs and all({"grafted_entries", "sparsity"} <= h.keys() for h in train_logs)
+    evals = [h for h in history if "eval_train_plus_eval_loss" in h]
+    assert len(evals) == 2
+    assert trainer.state.best_model_checkpoint is not None
+    assert (tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors").exists()
+    assert "Loading the best mask" in caplog.text
+    assert "by round(gamma), 7 kept" in caplog.text
+
+
+def test_resume_from_checkpoint_ends_with_the_same_mask(tmp_path):
+    data = cls_dataset(16)
+
+    def run(output_dir, max_steps, resume=None):
+        _, model = learning_graft(region="empty")
+        args = fast_args(
+            tmp_path,
+            output_dir=str(output_dir),
+            per_device_train_batch_size=4,
+            mask_batch_size=8,
+            max_steps=max_steps,
+            learning_rate=1e9,
+            save_strategy="steps",
+            save_steps=2,
+        )
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return model.get_region(), trainer
+
+    full, _ = run(tmp_path / "full", 4)
+    run(tmp_path / "interrupted", 2)  # "interrupted" after step 2: its checkpoint-2 holds S
+    resumed, trainer = run(tmp_path / "resumed", 4, resume=str(tmp_path / "interrupted" / "checkpoint-2"))
+    assert trainer.state.global_step == 4
+    assert full.num_entries > 0 and resumed == full
+
+
+# ------------------------------------------------------------------------------------------ heads
+@pytest.mark.parametrize("arch", ["roberta_mlm", "gpt2"])
+def test_language_model_heads_train(tmp_path, arch):
+    _, model = learning_graft(arch, region="empty")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (8, 9), generator=g)
+    labels = ids.clone()
+    if arch == "roberta_mlm":  # prompt style: the loss on one (label word) position only
+        labels[:, :-2] = -100
+        labels[:, -1] = -100
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    args = fast_args(tmp_path, per_device_train_batch_size=4, max_steps=2, learning_rate=1e6, logging_steps=1)
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.mask_report["grafted_entries"] == model.get_region().num_entries
+
+
+def test_l1_penalty_shrinks_the_region(tmp_path):
+    data = cls_dataset(16)
+    sizes = []
+    for penalty in (0.0, 1e-2):
+        _, model = learning_graft(region="empty")
+        args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=3, learning_rate=1e9, l1_penalty=penalty)
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        sizes.append(trainer.mask_report["grafted_entries"])
+    assert sizes[0] > 0 and sizes[1] < sizes[0]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_bad_input_gives_clear_errors(tmp_path):
+    pre, model = learning_graft()
+    data = cls_dataset(16)
+    args = fast_args(tmp_path, max_steps=1)
+    with pytest.raises(TypeError, match="needs a graft PeftModel"):
+        MaskTrainer(model=pre, args=args, train_dataset=data)
+    _, finetuned, _ = make_pair("roberta_cls")
+    fixed = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=5, task_type="SEQ_CLS"))
+    with pytest.raises(ValueError, match="no theta_ft attached"):
+        MaskTrainer(model=fixed, args=args, train_dataset=data)
+    with pytest.raises(TypeError, match="MaskTrainingArguments"):
+        MaskTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=data)
+    with pytest.raises(ValueError, match="num_entries=0"):
+        fast_args(tmp_path, num_entries=0)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3"):
+        MaskTrainer(
+            model=model,
+            args=fast_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=3, mask_batch_size=8),
+            train_dataset=data,
+        )
+    unlabeled = Dataset.from_dict({"input_ids": data["input_ids"]})
+    with pytest.raises(ValueError, match="no labels"):
+        MaskTrainer(model=model, args=args, train_dataset=unlabeled).train()
+    assert any(m.is_training_region("default") for m in model.modules() if isinstance(m, GraftLayer))  # nothing lost
+
+
+def test_uneven_global_batch_warns(tmp_path, caplog):
+    _, model = learning_graft()
+    with caplog.at_level(logging.WARNING, logger="peft_graft.trainer"):
+        args = fast_args(tmp_path, per_device_train_batch_size=4, max_steps=1)
+        MaskTrainer(model=model, args=args, train_dataset=cls_dataset(10))
+    assert "not a multiple" in caplog.text and args.gradient_accumulation_steps == 3
