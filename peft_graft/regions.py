@@ -105,12 +105,17 @@ def top_k_movement(movement: Mapping[str, torch.Tensor], k: int) -> Region:
 
 
 def global_top_k(
-    tensors: Mapping[str, torch.Tensor], k: int, key: Callable[[torch.Tensor], torch.Tensor] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    k: int,
+    key: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    sample_size: int = 1 << 20,
 ) -> Region:
     """Exactly ``k`` entries of largest ``key(tensor)`` over all tensors, ties to the earliest tensor and index.
 
-    Never sorts or concatenates everything, and ``key`` is applied one tensor at a time: each tensor offers its own
-    top-k candidates, and the k-th largest candidate is the global threshold.
+    ``key`` must be element-wise (e.g. ``torch.abs``). Nothing is sorted or concatenated whole: a seeded sample of
+    ``sample_size`` entries gives a lower bound that a few times ``k`` entries reach, one pass over the tensors (one
+    at a time) collects those candidates, and the exact top-k is taken among them. The result does not depend on the
+    sample, which only decides how many candidates there are (if too few, every entry becomes a candidate).
     """
     if k < 1:
         raise ValueError(f"The budget k must be at least 1, got {k}.")
@@ -118,20 +123,56 @@ def global_top_k(
     if k > total:
         raise ValueError(f"The budget k={k} exceeds the {total} eligible entries.")
     key = key or (lambda t: t)
-    candidates = [torch.topk(key(t).reshape(-1), min(k, t.numel()), sorted=False).values for t in tensors.values()]
-    threshold = torch.topk(torch.cat(candidates), k, sorted=False).values.min()
-    del candidates
-    chosen, ties, remaining = {}, {}, k
-    for name, tensor in tensors.items():
-        score = key(tensor).reshape(-1)
-        chosen[name] = (score > threshold).nonzero().reshape(-1)
-        ties[name] = (score == threshold).nonzero().reshape(-1)
-        remaining -= chosen[name].numel()
-    for name, tied in ties.items():
-        take = tied[:remaining]
-        remaining -= take.numel()
-        chosen[name] = torch.cat([chosen[name], take])
-    return Region(chosen)
+    lower = _candidate_bound(tensors, k, key, sample_size)
+    candidates = _candidates(tensors, key, lower)
+    if candidates[0].numel() < k and lower > -torch.inf:
+        candidates = _candidates(tensors, key, -torch.inf)
+    scores, owners, indices = candidates
+    if scores.numel() < k:
+        raise ValueError(f"Only {scores.numel()} entries have a finite score; the budget k={k} cannot be met.")
+    chosen = torch.sort(scores, descending=True, stable=True).indices[:k]  # candidates are in tie-break order
+    owners, indices = owners[chosen], indices[chosen]
+    names = list(tensors)
+    return Region({names[i]: indices[owners == i] for i in owners.unique().tolist()})
+
+
+def _candidate_bound(
+    tensors: Mapping[str, torch.Tensor], k: int, key: Callable[[torch.Tensor], torch.Tensor], sample_size: int
+) -> float:
+    """A score that about ``3 k`` entries reach, estimated from an evenly strided sample (``-inf`` for small inputs).
+
+    The stride is odd, so it does not alias with the power-of-two row lengths of weight matrices.
+    """
+    total = sum(t.numel() for t in tensors.values())
+    if total <= 4 * sample_size:
+        return -torch.inf
+    stride = (total // sample_size) | 1
+    sample = torch.cat([key(t.detach().reshape(-1)[::stride].float()).cpu() for t in tensors.values()])
+    rank = min(sample.numel(), 3 * -(-k * sample.numel() // total) + 32)  # 3x the expected sample hits, plus slack
+    return float(torch.topk(sample, rank).values[-1])
+
+
+def _candidates(
+    tensors: Mapping[str, torch.Tensor], key: Callable[[torch.Tensor], torch.Tensor], lower: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scores, tensor positions, flat indices)`` of every entry scoring at least ``lower``, in tensor order.
+
+    Works through each tensor in cache-sized chunks: ``key``, the comparison and ``nonzero`` then never write a
+    tensor-sized temporary.
+    """
+    scores, owners, indices = [], [], []
+    for i, tensor in enumerate(tensors.values()):
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), _CHUNK):
+            score = key(flat[start : start + _CHUNK])
+            index = (score >= lower).nonzero().reshape(-1)
+            scores.append(score[index].float())
+            indices.append(index + start)
+            owners.append(torch.full_like(index, i))
+    return torch.cat(scores).cpu(), torch.cat(owners).cpu(), torch.cat(indices).cpu()
+
+
+_CHUNK = 1 << 18
 
 
 def random_region(sizes: Mapping[str, int], k: int, seed: int) -> Region:
