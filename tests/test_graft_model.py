@@ -396,3 +396,32 @@ def test_learnable_state_rounds_to_gamma_base_and_hardens_exactly(tmp_path):
     assert model.harden_region(num_entries=51) == 51
     assert not any(m.is_training_region("default") for m in layers)
     assert model.get_region().num_entries == 51
+
+
+def test_finetuned_from_a_local_path_or_state_dict_gives_the_same_graft_and_is_released(tmp_path):
+    pre, finetuned, task_type = make_pair("roberta_cls")
+    finetuned.save_pretrained(tmp_path / "ft")
+    regions = []
+    for source in (finetuned, str(tmp_path / "ft"), finetuned.state_dict()):
+        config = GraftConfig(finetuned=source, num_entries=77, task_type=task_type)
+        model = get_peft_model(clone_model(pre), config)
+        regions.append(model.get_region())
+        assert config._finetuned is None  # theta_ft is not kept once the region is fixed
+    assert regions[0] == regions[1] == regions[2]
+    assert model.peft_config["default"].finetuned_model_name_or_path is None
+    by_path = GraftConfig(finetuned=str(tmp_path / "ft"), num_entries=77, task_type=task_type)
+    assert by_path.finetuned_model_name_or_path == str(tmp_path / "ft")
+
+
+def test_include_and_exclude_parameter_filters():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    config = GraftConfig(
+        finetuned=finetuned, num_entries=60, exclude_parameters=[r"\.attention\.", r"embeddings"], task_type=task_type
+    )
+    region = get_peft_model(clone_model(pre), config).get_region()
+    assert region.num_entries == 60 and not any(".attention." in n or "embeddings" in n for n in region)
+    kept = {n: p for n, p in eligible(pre, task_type).items() if ".attention." not in n and "embeddings" not in n}
+    assert region == brute_force_top_k(pre, finetuned, kept, 60)
+    config = GraftConfig(finetuned=finetuned, sparsity=1.0, include_parameters=r"LayerNorm\.bias$", task_type=task_type)
+    region = get_peft_model(clone_model(pre), config).get_region()
+    assert set(region) == {n for n in eligible(pre, task_type) if n.endswith("LayerNorm.bias")}
