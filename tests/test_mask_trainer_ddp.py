@@ -1,0 +1,43 @@
+"""MaskTrainer under DDP: 2 CPU processes (gloo) learn the same mask as 1 process on the same global batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_mask_script.py")
+
+
+def run(command: list[str], cwd) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout
+
+
+@pytest.mark.multiprocess
+def test_two_processes_learn_the_same_mask_as_one(tmp_path):
+    single = run([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    double = run([*torchrun, SCRIPT, str(tmp_path / "two")], tmp_path)
+    assert "world_size=1 accumulation=4" in single and "world_size=2 accumulation=2" in double
+
+    one = load_file(tmp_path / "one" / "checkpoint-2" / "graft_scores.safetensors")
+    two = load_file(tmp_path / "two" / "checkpoint-2" / "graft_scores.safetensors")
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-4)
+    assert any(bool((s > -10).any()) for s in one.values())  # S moved
+
+    graft_one = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    graft_two = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
+    assert graft_one.keys() == graft_two.keys()
+    for name in graft_one:
+        assert torch.equal(graft_one[name], graft_two[name]), name
+    assert sum(v.numel() for k, v in graft_one.items() if k.endswith("graft_values")) > 0
