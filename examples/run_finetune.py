@@ -61,22 +61,9 @@ class ModelArguments:
 
 
 @dataclass
-class DataTrainingArguments:
-    """Which data to train on (a local file/folder or a Hub dataset) and how to sample it."""
+class DataTrainingArguments(U.DataArguments):
+    """The data arguments shared by the examples, plus the paper's step rule."""
 
-    dataset_name_or_path: str = field(
-        metadata={"help": "Local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id."}
-    )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
-    train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
-    validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
-    validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
-    text_column: str = field(default="text", metadata={"help": "Column with the sentence ('sentence' for SST-2)."})
-    label_column: str = field(default="label", metadata={"help": "Column with the label."})
-    k_shot: int | None = field(default=16, metadata={"help": "Examples per class (None: all)."})
-    k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
-    max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
     paper_steps: bool = field(
         default=True, metadata={"help": "Without --max_steps: 16 x n x min(k, 512) steps (appendix A.2)."}
     )
@@ -124,18 +111,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     U.check_head(model_args.head)
     set_seed(training_args.seed)
 
-    # Data: read, map labels to ids, sample k per class.
-    frame = U.read_table(
-        data_args.dataset_name_or_path,
-        data_args.train_split,
-        data_args.dataset_config_name,
-        data_args.text_column,
-        data_args.label_column,
-    )
-    label_names = U.label_names_of(frame)
-    train_frame = U.k_shot(U.encode_labels(frame, label_names), data_args.k_shot, data_args.k_shot_seed)
-    logger.info("Training on %d examples (%s per class, seed %d)", len(train_frame), data_args.k_shot,
-                data_args.k_shot_seed)  # fmt: skip
+    train_frame, eval_frame, label_names = U.load_splits(data_args)
 
     setup = U.TaskSetup(
         head=model_args.head,
@@ -153,19 +129,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     logger.info("Frozen: %d tensors; trainable parameters: %d", len(frozen), trainable)
 
     train_dataset = U.tokenize(train_frame, tokenizer, setup)
-    eval_dataset = None
-    if data_args.validation_dataset is not None:
-        eval_frame = U.read_table(
-            data_args.validation_dataset,
-            data_args.validation_split,
-            data_args.dataset_config_name,
-            data_args.text_column,
-            data_args.label_column,
-        )
-        eval_frame = U.encode_labels(eval_frame, label_names)
-        if data_args.max_eval_samples is not None:
-            eval_frame = eval_frame.iloc[: data_args.max_eval_samples]
-        eval_dataset = U.by_length(U.tokenize(eval_frame, tokenizer, setup))
+    eval_dataset = None if eval_frame is None else U.by_length(U.tokenize(eval_frame, tokenizer, setup))
 
     if training_args.max_steps <= 0 and data_args.paper_steps:
         training_args.max_steps = paper_max_steps(setup.num_labels, data_args.k_shot)

@@ -71,6 +71,56 @@ def check_head(head: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------- data
+@dataclass
+class DataArguments:
+    """Which data to use (a local file/folder or a Hub dataset) and how to sample the training set."""
+
+    dataset_name_or_path: str = field(
+        metadata={"help": "Training data: local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id ('glue')."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
+    train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
+    validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
+    validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
+    text_column: str = field(default="text", metadata={"help": "Column with the sentence ('sentence' for SST-2)."})
+    label_column: str = field(default="label", metadata={"help": "Column with the label."})
+    k_shot: int | None = field(default=16, metadata={"help": "Training examples per class (None: all)."})
+    k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
+    max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
+
+
+def load_splits(
+    data_args: DataArguments, label_names: list[str] | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame | None, list[str]]:
+    """The k-shot training frame, the optional evaluation frame and the class names (from the training labels)."""
+    frame = read_table(
+        data_args.dataset_name_or_path,
+        data_args.train_split,
+        data_args.dataset_config_name,
+        data_args.text_column,
+        data_args.label_column,
+    )
+    label_names = label_names or label_names_of(frame)
+    train = k_shot(encode_labels(frame, label_names), data_args.k_shot, data_args.k_shot_seed)
+    logger.info(
+        "Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot, data_args.k_shot_seed
+    )
+    evaluation = None
+    if data_args.validation_dataset is not None:
+        evaluation = read_table(
+            data_args.validation_dataset,
+            data_args.validation_split,
+            data_args.dataset_config_name,
+            data_args.text_column,
+            data_args.label_column,
+        )
+        evaluation = encode_labels(evaluation, label_names)
+        if data_args.max_eval_samples is not None:
+            evaluation = evaluation.iloc[: data_args.max_eval_samples]
+    return train, evaluation, label_names
+
+
 def _looks_like_path(name: str) -> bool:
     return os.sep in name or name.startswith(".") or Path(name).suffix.lower() in {*TABLE_SUFFIXES, ".json", ".jsonl"}
 

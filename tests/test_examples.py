@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from peft import PeftModel
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -21,7 +22,9 @@ from transformers import (
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import run_evaluate  # noqa: E402
 import run_finetune  # noqa: E402
+import run_graft  # noqa: E402
 import utils_data  # noqa: E402
 
 POSITIVE = ["good", "great", "fun", "moving", "brilliant", "lovely"]
@@ -198,3 +201,61 @@ def test_unknown_head(assets, tmp_path):
     args[args.index("--head") + 1] = "regression"
     with pytest.raises(ValueError, match="Unknown head"):
         run_finetune.main(args)
+
+
+# ---------------------------------------------------------------------------------------------------------- graft
+GRAFT_FAST = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--use_cpu", "true", "--learning_rate", "1e4"]
+
+
+def graft_args(assets, finetuned, head: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model_name_or_path", assets[HEAD_ARGS[head][0]], "--finetuned_model_name_or_path", finetuned[head],
+        "--dataset_name_or_path", assets["train"], "--text_column", "sentence", "--k_shot", "8",
+        "--sparsity", "0.01", "--output_dir", str(out), *GRAFT_FAST, *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def grafted(assets, finetuned, tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for head in HEAD_ARGS:
+        out[head] = str(tmp_path_factory.mktemp(f"graft_{head}"))
+        run_graft.main(graft_args(assets, finetuned, head, Path(out[head])))
+    return out
+
+
+@pytest.mark.parametrize("head", list(HEAD_ARGS))
+def test_graft_saves_a_loadable_sparse_graft(assets, finetuned, grafted, head):
+    results = json.loads(Path(grafted[head], "graft_results.json").read_text())
+    assert results["grafted_entries"] > 0 and results["sparsity"] < 0.02
+    setup = utils_data.TaskSetup.load(grafted[head])
+    tokenizer = utils_data.load_tokenizer(grafted[head], head)
+    model = PeftModel.from_pretrained(
+        utils_data.load_model(assets[HEAD_ARGS[head][0]], setup, tokenizer), grafted[head]
+    )
+    assert model.graft_stats().num_entries == results["grafted_entries"]
+    text = "the movie was good"
+    text = text if head == "classification" else utils_data.prompt_text(tokenizer, text, setup)
+    batch = tokenizer([text], return_tensors="pt")
+    assert model(**batch).logits.shape == (1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------- evaluate
+@pytest.mark.parametrize("head", ["mlm_prompt", "causal_prompt", "classification"])
+def test_evaluate_writes_the_report(assets, finetuned, grafted, head, tmp_path):
+    results = run_evaluate.main([
+        "--model_name_or_path", assets[HEAD_ARGS[head][0]], "--finetuned_model_name_or_path", finetuned[head],
+        "--graft_dirs", grafted[head], "--eval_datasets", assets["test"], assets["ood"],
+        "--eval_names", "in-dist", "ood", "--text_column", "sentence", "--sweep_num_entries", "5", "50",
+        "--report_dir", str(tmp_path),
+    ])  # fmt: skip
+    for data in ("in-dist", "ood"):
+        graft = results["metrics"][data]["graft"]
+        assert 0 <= graft["accuracy"] <= 1 and 0 <= graft["ece"] <= 1 and 0 <= graft["agreement"] <= 1
+    assert set(results["sweep"]["top-k movement"]) == set(results["sweep"]["random"]) >= {"5", "50"}
+    assert len(results["sweep"]["learned"]) == 1
+    for name in ("summary.md", "results.json", "sweep_accuracy.png", "graft_locations.png",
+                 "reliability_graft_ood.png", "reliability_fine-tuned_in-dist.png"):  # fmt: skip
+        assert (tmp_path / name).stat().st_size > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| graft | ood |" in summary and "top-k movement" in summary

