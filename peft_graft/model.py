@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner
-from peft.utils.other import ModulesToSaveWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from safetensors.torch import load_file
 from torch import nn
 
@@ -178,6 +179,34 @@ class GraftModel(BaseTuner):
         config._finetuned = config._given_region = None  # theta_ft is never needed again
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["graft", "skill-localization"])
+
+    # ------------------------------------------------------------------------------------------ adapters
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        """Activate adapter(s), as peft's ``set_adapter`` does, without walking every module of the model each time.
+
+        The graft layers and ``modules_to_save`` wrappers are found once per set of adapters (peft walks all modules
+        twice per call), so switching between loaded grafts takes well under a millisecond.
+        """
+        layers, wrappers = self._adapter_modules()
+        for wrapper in wrappers:  # as peft.utils.other._set_adapter
+            name = wrapper.check_set_adapter(adapter_name)
+            wrapper.set_adapter(name if name in wrapper._adapters else [], inference_mode=inference_mode)
+        for layer in layers:
+            if layer.merged:
+                warnings.warn("Adapter cannot be set while merged: unmerging first.", stacklevel=2)
+                layer.unmerge()
+            layer.set_adapter(adapter_name, inference_mode=inference_mode)
+        self.active_adapter = adapter_name
+
+    def _adapter_modules(self) -> tuple[list[GraftLayer], list[AuxiliaryTrainingWrapper]]:
+        key = tuple(self.peft_config)  # layers and wrappers only change when adapters are added or deleted
+        cached = getattr(self, "_adapter_modules_cache", None)
+        if cached is None or cached[0] != key:
+            modules = list(self.model.modules())
+            layers = [m for m in modules if isinstance(m, GraftLayer)]
+            wrappers = [m for m in modules if isinstance(m, AuxiliaryTrainingWrapper)]
+            cached = self._adapter_modules_cache = (key, layers, wrappers)
+        return cached[1], cached[2]
 
     # ------------------------------------------------------------------------------------------ regions
     def graft_layers(self) -> dict[str, GraftLayer]:
