@@ -50,17 +50,10 @@ def _logits(model, dataset: Dataset) -> np.ndarray:
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.numpy()
 
 
-class MaskTrainerLike(Trainer):
-    """Stand-in for a Trainer subclass written elsewhere (it only overrides training-side hooks)."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-
-
 def test_trainer_multi_eval_sets_metrics_and_pngs(model, datasets_, tmp_path, caplog):
     compute_metrics = make_compute_metrics(n_bins=5, f1_average="macro")
     callback = CalibrationCallback(compute_metrics, size_px=(320, 240), dpi=80)
-    trainer = MaskTrainerLike(model=model, args=_args(tmp_path), compute_metrics=compute_metrics, callbacks=[callback])
+    trainer = Trainer(model=model, args=_args(tmp_path), compute_metrics=compute_metrics, callbacks=[callback])
     with caplog.at_level(logging.INFO, logger="peft_graft.calibration.trainer"):
         metrics = trainer.evaluate(eval_dataset=datasets_)
 
@@ -181,3 +174,48 @@ def test_calibration_table_from_trainers(model, datasets_, tmp_path):
         assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-5)
         assert row["agreement"] == agreement(logits, _logits(model, datasets_[row["dataset"]]))
     assert table.row("FT", "ood")["agreement"] == 1.0
+
+
+def test_callback_with_mask_trainer(datasets_, tmp_path):
+    from conftest import clone_model, make_pair
+    from peft import get_peft_model
+
+    from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
+
+    pre, finetuned, task_type = make_pair("bert_cls")  # 3 labels, like datasets_
+    graft = get_peft_model(
+        clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type)
+    )
+    compute_metrics = make_compute_metrics(n_bins=5)
+    callback = CalibrationCallback(compute_metrics, size_px=(160, 120), dpi=40)
+    args = MaskTrainingArguments(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+    )
+    trainer = MaskTrainer(
+        model=graft,
+        args=args,
+        train_dataset=datasets_["id"],
+        eval_dataset=datasets_,
+        compute_metrics=compute_metrics,
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert [(r["step"], r["prefix"]) for r in callback.history] == [
+        (1, "eval_id"),
+        (1, "eval_ood"),
+        (2, "eval_id"),
+        (2, "eval_ood"),
+    ]
+    for record in callback.history:
+        assert 0.0 <= record["metrics"][f"{record['prefix']}_ece"] <= 1.0
+        assert imread(record["reliability_diagram"]).shape[:2] == (120, 160)
+        assert imread(record["confidence_histogram"]).shape[:2] == (120, 160)
