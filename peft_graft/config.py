@@ -38,6 +38,12 @@ class GraftConfig(PeftConfig):
         learn_region: Keep ``theta_ft - theta_pre`` and real-valued scores ``S`` so that
             :class:`~peft_graft.MaskTrainer` can learn the region (paper Eq. 3-4). The dense state is never saved.
         score_init: Initial value of ``S``; ``sigmoid(-10) = 4.5e-5``, near 0 as in the paper's reference code.
+        candidates: With ``learn_region=True``, learn ``S`` only on candidate coordinates: the global top-c entries
+            by ``|theta_ft - theta_pre|`` united with ``gamma_base``, where c is a fraction of the eligible entries
+            (a float in (0, 1]) or an exact count (an int >= 1). A departure from the paper, which learns ``S`` over
+            every coordinate: it trades exactness of the search space for cost (S, the movement and the gradient of
+            S then exist on the candidates only, and the learned region is a subset of them). ``None`` (default):
+            the paper's dense search space.
         verify_base: Refuse to apply the graft onto a base whose values differ from the theta_pre it was made from.
         grafted_modules: Filled in by the library: number of grafted entries per module (needed to load).
         base_fingerprint: Filled in by the library: theta_pre at a few grafted entries per module.
@@ -74,6 +80,13 @@ class GraftConfig(PeftConfig):
         default=False, metadata={"help": "Keep theta_ft - theta_pre and scores S for MaskTrainer (never saved)."}
     )
     score_init: float = field(default=-10.0, metadata={"help": "Initial scores S (sigmoid(S) near 0)."})
+    candidates: float | int | None = field(
+        default=None,
+        metadata={
+            "help": "Learn S only on the top-c movement entries plus gamma_base: c a fraction (float) of the eligible "
+            "entries or a count (int). Not in the paper (dense S); None = dense."
+        },
+    )
     verify_base: bool = field(
         default=True, metadata={"help": "Refuse a base model whose values differ from the graft's theta_pre."}
     )
@@ -107,6 +120,21 @@ class GraftConfig(PeftConfig):
                 raise TypeError(f"sparsity must be a float in (0, 1], got {self.sparsity!r}.")
             if not (0.0 < self.sparsity <= 1.0) or math.isnan(self.sparsity):
                 raise ValueError(f"sparsity must lie in (0, 1], got {self.sparsity}: e.g. 1e-4 grafts 0.01%.")
+        if self.candidates is not None:
+            if isinstance(self.candidates, bool) or not isinstance(self.candidates, (int, float)):
+                raise TypeError(
+                    f"candidates must be a float fraction in (0, 1], an int count >= 1 or None, got "
+                    f"{type(self.candidates).__name__}."
+                )
+            if isinstance(self.candidates, float) and (math.isnan(self.candidates) or not 0.0 < self.candidates <= 1.0):
+                raise ValueError(
+                    f"candidates={self.candidates}: a float is a fraction of the eligible entries in (0, 1]; pass an "
+                    "int for an exact count."
+                )
+            if isinstance(self.candidates, int) and self.candidates < 1:
+                raise ValueError(f"candidates={self.candidates}: an int count must be at least 1.")
+            if not self.learn_region and not self.grafted_modules:
+                raise ValueError("candidates only applies while learning a region: set learn_region=True.")
         if self.region == "empty" and not self.learn_region and not self.grafted_modules:  # hardened: fine
             raise ValueError('region="empty" (gamma_base = 0) is only meaningful with learn_region=True.')
         if self.region == "given" and self._given_region is None and not self.grafted_modules:
@@ -116,6 +144,20 @@ class GraftConfig(PeftConfig):
     def is_created(self) -> bool:
         """Whether this config describes an existing graft (loaded or already injected)."""
         return bool(self.grafted_modules)
+
+    def candidate_count(self, num_eligible: int) -> int:
+        """The number c of top-movement candidate coordinates (``candidates``) out of ``num_eligible`` entries."""
+        c = self.candidates if isinstance(self.candidates, int) else round(self.candidates * num_eligible)
+        if c > num_eligible:
+            raise ValueError(
+                f"candidates={self.candidates} exceeds the {num_eligible} eligible parameters: lower it (or use a "
+                "float fraction)."
+            )
+        if c < 1:
+            raise ValueError(
+                f"candidates={self.candidates} of {num_eligible} eligible parameters rounds to 0 entries: raise it."
+            )
+        return c
 
     def budget(self, num_eligible: int) -> int:
         """The exact number of entries k to graft out of ``num_eligible`` eligible ones."""

@@ -49,6 +49,44 @@ class _GraftedTensors(torch.autograd.Function):
         return (grad, None, None, None, *([None] * len(grads)))
 
 
+class _GraftedCandidates(torch.autograd.Function):
+    """``theta_pre`` with ``gamma(S) * delta`` added at candidate coordinates only (``GraftConfig.candidates``).
+
+    ``scores``, ``movement`` and ``base`` (positions of ``gamma_base`` among the candidates) live on the sorted
+    candidates; ``parts`` gives, per tensor, its slice ``[a, b)`` of the candidates and their local flat indices. One
+    copy pass per tensor in forward, no dense sigmoid; backward gathers the gradient at the candidates only.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, movement, base, parts, *thetas):
+        ctx.save_for_backward(scores, movement, base)
+        ctx.parts = parts
+        values = torch.sigmoid(scores.detach())
+        if base.numel():
+            values[base] = 1.0 - values[base]
+        values.mul_(movement)
+        outputs = []
+        for (a, b, local), theta in zip(parts, thetas, strict=True):
+            out = theta.detach().clone(memory_format=torch.contiguous_format)
+            flat = out.view(-1)
+            flat[local] = (flat[local].float() + values[a:b]).to(out.dtype)
+            outputs.append(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        scores, movement, base = ctx.saved_tensors
+        grad = torch.zeros_like(scores)
+        for (a, b, local), g in zip(ctx.parts, grads, strict=True):
+            if g is not None:
+                grad[a:b] = g.reshape(-1)[local]
+        grad.mul_(movement)
+        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
+        if base.numel():
+            grad[base] = -grad[base]
+        return (grad, None, None, None, *([None] * len(grads)))
+
+
 class GraftLayer(nn.Module, BaseTunerLayer):
     """Wraps one module and grafts sparse entries onto its parameters.
 
@@ -61,10 +99,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     Eq. 4: scores ``S`` (``graft_scores``), movement ``theta_ft - theta_pre`` (``graft_movement``) and the candidate
     region ``gamma_base`` (``graft_base_region``). Only the hard region is ever saved. The movement is a plain dict, not
     a buffer: DDP would broadcast a buffer every step, FSDP would shard and gather it; it is runtime state only.
+
+    With ``GraftConfig.candidates`` the training state covers only sorted candidate flat indices
+    (``graft_candidates``, a plain dict too): S and the movement are then over the candidates, and
+    ``graft_base_region`` holds positions among them. Without it, positions are flat indices.
     """
 
     adapter_layer_names = ("graft_values", "graft_scores")
-    other_param_names = ("graft_indices", "graft_movement", "graft_base_region")
+    other_param_names = ("graft_indices", "graft_movement", "graft_base_region", "graft_candidates")
 
     def __init__(
         self,
@@ -79,6 +121,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_scores = nn.ParameterDict()
         self.graft_movement: dict[str, torch.Tensor] = {}  # not a buffer: never broadcast, synced or saved
         self.graft_base_region = BufferDict(persistent=False)
+        self.graft_candidates: dict[str, torch.Tensor] = {}  # sorted flat indices S covers (candidates mode only)
+        self._candidate_parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         self.stored_attrs = list(stored_attrs)
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
         self.fingerprints: dict[str, list[float]] = {}
@@ -119,13 +163,40 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.verify_base.setdefault(adapter_name, True)
 
     def set_training_state(
-        self, adapter_name: str, movement: torch.Tensor, base_region: torch.Tensor, score_init: float
+        self,
+        adapter_name: str,
+        movement: torch.Tensor,
+        base_region: torch.Tensor,
+        score_init: float,
+        candidates: torch.Tensor | None = None,
     ) -> None:
-        """Dense state to learn the region: movement over this layer's space, ``gamma_base`` indices, scores S."""
+        """State to learn the region: movement, ``gamma_base`` positions and scores S.
+
+        Dense (``candidates=None``): over this layer's whole flat space. Otherwise over the sorted flat indices
+        ``candidates`` only, ``base_region`` being positions among them.
+        """
         device = self._device()
+        self._candidate_parts.pop(adapter_name, None)
+        self.graft_candidates.pop(adapter_name, None)
+        if candidates is not None:
+            candidates = candidates.to(device, torch.int64)
+            if candidates.numel() != movement.numel():
+                raise ValueError("candidates and movement must have the same length.")
+            if candidates.numel() and (int(candidates.min()) < 0 or int(candidates.max()) >= self.num_stored):
+                raise ValueError(f"Candidate indices out of range [0, {self.num_stored}) for {adapter_name!r}.")
+            if candidates.numel() > 1 and not bool((candidates[1:] > candidates[:-1]).all()):
+                raise ValueError("Candidate indices must be strictly increasing.")
+            self.graft_candidates[adapter_name] = candidates
         self.graft_movement[adapter_name] = movement.to(device, torch.float32)
         self.graft_base_region[adapter_name] = base_region.to(device, torch.int64)
         self.graft_scores[adapter_name] = nn.Parameter(torch.full_like(self.graft_movement[adapter_name], score_init))
+
+    def score_indices(self, adapter_name: str, positions: torch.Tensor) -> torch.Tensor:
+        """Flat indices of this layer's space for ``positions`` in S (the identity without candidates)."""
+        candidates = self.graft_candidates.get(adapter_name)
+        if candidates is None:
+            return positions
+        return candidates.to(positions.device)[positions]
 
     def gamma(self, adapter_name: str) -> torch.Tensor:
         """Paper Eq. 4: ``gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)``, dense."""
@@ -139,14 +210,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             gamma = self.gamma(adapter_name)
             moved = self.graft_movement[adapter_name] != 0
             if num_entries is None:
-                indices = ((gamma >= 0.5) & moved).nonzero().reshape(-1)
+                positions = ((gamma >= 0.5) & moved).nonzero().reshape(-1)
             else:
-                indices = torch.sort(torch.topk(torch.where(moved, gamma, -1.0), num_entries).indices).values
-            return indices, self.graft_movement[adapter_name][indices]
+                positions = torch.sort(torch.topk(torch.where(moved, gamma, -1.0), num_entries).indices).values
+            return self.score_indices(adapter_name, positions), self.graft_movement[adapter_name][positions]
 
     def drop_training_state(self, adapter_name: str) -> None:
         self._hard_cache.pop(adapter_name, None)
-        for container in (self.graft_scores, self.graft_movement, self.graft_base_region):
+        self._candidate_parts.pop(adapter_name, None)
+        for container in (self.graft_scores, self.graft_movement, self.graft_base_region, self.graft_candidates):
             if adapter_name in container:
                 del container[adapter_name]
 
@@ -166,16 +238,40 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return int(((gamma >= 0.5) & (self.graft_movement[adapter_name] != 0)).sum())
 
     def soft_parameters(self, adapter_name: str) -> dict[str, torch.Tensor]:
-        """``theta_pre + gamma(S) * delta`` (paper Eq. 3-4) for every stored tensor, differentiable in S."""
+        """``theta_pre + gamma(S) * delta`` (paper Eq. 3-4) for every stored tensor, differentiable in S.
+
+        With candidates, only the tensors holding candidates are returned (the others are ``theta_pre``).
+        """
         movement = self.graft_movement[adapter_name]
         scores = self.graft_scores[adapter_name]
         if movement.device != scores.device:  # a plain dict does not follow module.to(): move it once
             movement = self.graft_movement[adapter_name] = movement.to(scores.device)
+        if adapter_name in self.graft_candidates:
+            parts = self._parts(adapter_name, scores.device)
+            attrs = [attr for attr, _ in parts]
+            thetas = [getattr(self.base_layer, attr) for attr in attrs]
+            base = self.graft_base_region[adapter_name]
+            outputs = _GraftedCandidates.apply(scores, movement, base, [p for _, p in parts], *thetas)
+            return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(self.base_layer, attr) for attr in self.stored_attrs]
         offsets = [int(o) for o in self.offsets]
         base = self.graft_base_region[adapter_name]
         outputs = _GraftedTensors.apply(scores, movement, base, offsets, *thetas)
         return dict(zip(self.stored_attrs, outputs, strict=True))
+
+    def _parts(self, adapter_name: str, device: torch.device) -> list[tuple[str, tuple[int, int, torch.Tensor]]]:
+        """Per stored tensor holding candidates: ``(attr, (a, b, local flat indices))``, cached."""
+        parts = self._candidate_parts.get(adapter_name)
+        if parts is None or (parts and parts[0][1][2].device != device):
+            candidates = self.graft_candidates[adapter_name]
+            if candidates.device != device:
+                candidates = self.graft_candidates[adapter_name] = candidates.to(device)
+            parts = [
+                (attr, (position.start, position.stop, local.to(device)))
+                for attr, local, position in self._split(candidates)
+            ]
+            self._candidate_parts[adapter_name] = parts
+        return parts
 
     def base_values(self, indices: torch.Tensor) -> torch.Tensor:
         """Current values of the stored tensors at flat ``indices`` (as fp32)."""
@@ -265,6 +361,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     key = (id(layer), adapter_name)
                     if key not in soft:
                         soft[key] = layer.soft_parameters(adapter_name)
+                    if source_attr not in soft[key]:  # no candidate in this tensor: theta_pre
+                        continue
                     # Soft graft of the learning adapter, plus what earlier adapters added to this tensor.
                     value = soft[key][source_attr] if value is param else value + (soft[key][source_attr] - param)
                     continue

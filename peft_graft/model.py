@@ -33,7 +33,8 @@ class _Plan:
     targets: set[str]
     entries: dict[str, int] = field(default_factory=dict)  # storage module -> number of grafted entries
     regions: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (idx, values)
-    training: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (movement, base)
+    # module -> (movement, gamma_base positions, candidate flat indices or None for the dense space)
+    training: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     head: dict[str, torch.Tensor] = field(default_factory=dict)  # theta_ft of modules_to_save tensors
 
 
@@ -94,8 +95,8 @@ class GraftModel(BaseTuner):
             fingerprint = config.base_fingerprint.get(current_key, [])
             layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base)
         if current_key in plan.training:
-            movement, base_region = plan.training[current_key]
-            layer.set_training_state(adapter_name, movement, base_region, config.score_init)
+            movement, base_region, candidates = plan.training[current_key]
+            layer.set_training_state(adapter_name, movement, base_region, config.score_init, candidates)
         if adapter_name not in self.active_adapters:
             layer.requires_grad_(False)
 
@@ -134,14 +135,16 @@ class GraftModel(BaseTuner):
             indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             order = indices.argsort()
             plan.regions[module] = (indices[order], values[order])
-        if config.learn_region:
+        if config.learn_region and config.candidates is not None:
+            self._plan_candidates(plan, config, layout, movement, region)
+        elif config.learn_region:
             for module in {layout.tensors[name].module for name in movement}:
                 flat = [
                     movement[info.name].reshape(-1) if info.name in movement else torch.zeros(info.parameter.numel())
                     for info in (layout.by_site[(module, attr)] for attr in layout.stored[module])
                 ]
                 empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
-                plan.training[module] = (torch.cat(flat), plan.regions.get(module, empty)[0])
+                plan.training[module] = (torch.cat(flat), plan.regions.get(module, empty)[0], None)
                 plan.regions.setdefault(module, empty)
         plan.entries = {m: int(idx.numel()) for m, (idx, _) in plan.regions.items()}
         plan.targets = layout.application_modules(set(plan.regions))
@@ -149,6 +152,32 @@ class GraftModel(BaseTuner):
             if info.parameter.is_floating_point() and name not in movement and self._saved_whole(config, info):
                 plan.head[name] = finetuned_tensor(state, layout, name)
         return plan
+
+    @staticmethod
+    def _plan_candidates(
+        plan: _Plan, config: GraftConfig, layout: Layout, movement: dict[str, torch.Tensor], region: Region
+    ) -> None:
+        """Training state on candidate coordinates only: top-c movement united with ``gamma_base`` (``candidates``)."""
+        count = config.candidate_count(sum(d.numel() for d in movement.values()))
+        chosen = top_k_movement(movement, count) | region
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+        for module in sorted({layout.tensors[name].module for name in chosen}):
+            starts = layout.offsets(module)
+            indices, values = [], []
+            for attr in layout.stored[module]:
+                name = layout.by_site[(module, attr)].name
+                if name in chosen:
+                    local = chosen[name]
+                    indices.append(local + starts[attr])
+                    values.append(movement[name].reshape(-1)[local].float())
+            candidates = torch.cat(indices)  # sorted: tensors in offset order, each Region entry sorted
+            base = plan.regions.get(module, empty)[0]
+            plan.training[module] = (
+                torch.cat(values),
+                torch.searchsorted(candidates, base.to(torch.int64)),
+                candidates,
+            )
+            plan.regions.setdefault(module, empty)
 
     @staticmethod
     def _saved_whole(config: GraftConfig, info) -> bool:
@@ -360,10 +389,15 @@ def _harden_exact(layers: dict[str, GraftLayer], adapter_name: str, k: int) -> d
             module: torch.where(layer.graft_movement[adapter_name] != 0, layer.gamma(adapter_name), -1.0)
             for module, layer in layers.items()
         }
-        region = global_top_k(gammas, k)
+        region = global_top_k(gammas, k)  # positions in S: flat indices, or positions among sorted candidates
         empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
         return {
-            module: (region[module], layer.graft_movement[adapter_name][region[module]]) if module in region else empty
+            module: (
+                layer.score_indices(adapter_name, region[module]),
+                layer.graft_movement[adapter_name][region[module]],
+            )
+            if module in region
+            else empty
             for module, layer in layers.items()
         }
 

@@ -167,6 +167,13 @@ class MaskTrainer(Trainer):
         }
         if set(state) != set(layers):
             raise ValueError(f"{path} holds scores for other modules than this model's learning graft layers.")
+        for module, layer in layers.items():
+            if state[module].shape != layer.graft_scores[self.adapter_name].shape:
+                raise ValueError(
+                    f"{path} holds {tuple(state[module].shape)} scores for {module!r}, this model learns "
+                    f"{tuple(layer.graft_scores[self.adapter_name].shape)}: create the graft with the same GraftConfig "
+                    "(candidates, region, budget) as the run that wrote the checkpoint."
+                )
         with torch.no_grad():
             for module, layer in layers.items():
                 layer.graft_scores[self.adapter_name].copy_(state[module])

@@ -1,0 +1,180 @@
+"""MaskTrainer with ``GraftConfig(candidates=...)``: S learned on the top-c movement entries plus gamma_base only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, clone_model, make_pair
+from peft import PeftModel, get_peft_model
+from test_mask_trainer import cls_dataset, fast_args, learning_graft, scores
+from transformers import Trainer
+
+import peft_graft.layer as graft_layer
+from peft_graft import GraftConfig, GraftLayer, MaskTrainer
+
+
+def learning_layers(model) -> dict[str, GraftLayer]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, GraftLayer) and m.is_training_region("default")}
+
+
+def soft_train(model, tmp_path, steps: int = 2, **kwargs) -> MaskTrainer:
+    """Train S without hardening (to compare scores), dropout off (``learning_graft``)."""
+    args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=steps, learning_rate=1e6, **kwargs)
+    trainer = MaskTrainer(model=model, args=args, train_dataset=cls_dataset(16))
+    trainer.train = Trainer.train.__get__(trainer)
+    trainer.train()
+    return trainer
+
+
+def test_candidates_covering_every_eligible_entry_equal_the_dense_default(tmp_path):
+    _, dense = learning_graft(region="movement", num_entries=20)
+    _, capped = learning_graft(region="movement", num_entries=20, candidates=1.0)
+    soft_train(dense, tmp_path)
+    soft_train(capped, tmp_path)
+    dense_layers, capped_layers = learning_layers(dense), learning_layers(capped)
+    assert capped_layers.keys() == dense_layers.keys()
+    for name, layer in capped_layers.items():
+        candidates = layer.graft_candidates["default"]
+        dense_scores = dense_layers[name].graft_scores["default"].detach()
+        torch.testing.assert_close(layer.graft_scores["default"].detach(), dense_scores[candidates], rtol=1e-5, atol=0)
+        outside = torch.ones_like(dense_scores, dtype=torch.bool)
+        outside[candidates] = False
+        assert bool((dense_scores[outside] == -10.0).all())  # what the cap leaves out never moved (no movement there)
+    assert any(bool((s > -10).any()) for s in scores(capped).values())  # S moved
+    assert capped.get_region() == dense.get_region()
+    assert capped.base_model.harden_region("default", 9) == dense.base_model.harden_region("default", 9) == 9
+    assert capped.get_region() == dense.get_region()
+
+
+def test_small_cap_keeps_state_on_the_top_movement_candidates_only():
+    _, dense = learning_graft(region="movement", num_entries=20)
+    _, capped = learning_graft(region="movement", num_entries=20, candidates=50)
+    _, empty = learning_graft(region="empty", candidates=0.01)
+    eligible = sum(int(layer.graft_movement["default"].numel()) for layer in learning_layers(dense).values())
+    assert sum(s.numel() for s in scores(empty).values()) == round(0.01 * eligible)
+    assert sum(s.numel() for s in scores(capped).values()) == 50  # gamma_base (top-20 movement) lies in the top-50
+    dense_layers = learning_layers(dense)
+    smallest_candidate, largest_other = float("inf"), 0.0
+    for name, layer in learning_layers(capped).items():
+        candidates = layer.graft_candidates["default"]
+        assert layer.graft_scores["default"].shape == layer.graft_movement["default"].shape == candidates.shape
+        movement = dense_layers[name].graft_movement["default"]
+        torch.testing.assert_close(layer.graft_movement["default"], movement[candidates], rtol=0, atol=0)
+        outside = torch.ones_like(movement, dtype=torch.bool)
+        outside[candidates] = False
+        smallest_candidate = min(smallest_candidate, float(movement[candidates].abs().min()))
+        largest_other = max(largest_other, float(movement[outside].abs().max()))
+    assert smallest_candidate >= largest_other
+    # gamma_base is applied before any step: the rounded region is the same top-20 movement region
+    assert capped.get_region() == dense.get_region() and capped.get_region().num_entries == 20
+
+
+def _reference_candidates(scores, movement, base, parts, *thetas):
+    """The candidates forward with plain autograd ops (what the custom autograd Function replaces)."""
+    gamma = torch.sigmoid(scores)
+    values = gamma.index_put((base,), 1.0 - gamma[base]) * movement
+    return tuple(
+        t.float().reshape(-1).index_add(0, local, values[a:b]).view_as(t).to(t.dtype)
+        for (a, b, local), t in zip(parts, thetas, strict=True)
+    )
+
+
+@pytest.mark.parametrize("arch", ["roberta_cls", "gpt2"])
+def test_candidate_score_gradient_matches_autograd_reference(arch, monkeypatch):
+    _, model = learning_graft(arch, candidates=0.05)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # both branches of Eq. 4 matter
+        for layer in learning_layers(model).values():
+            s = layer.graft_scores["default"]
+            s.copy_(torch.randn(s.shape, generator=generator) * 3)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
+    labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
+
+    loss, ours = run()
+    monkeypatch.setattr(graft_layer._GraftedCandidates, "apply", _reference_candidates)
+    reference_loss, reference = run()
+    torch.testing.assert_close(loss, reference_loss)
+    assert ours.keys() == reference.keys() and ours
+    assert any(bool((g != 0).any()) for g in ours.values())
+    for name in ours:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-9)
+
+
+def test_cap_hardening_exact_budget_saving_and_evaluation(tmp_path):
+    pre, model = learning_graft(region="empty", candidates=40)
+    data = cls_dataset(16)
+    args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e9, num_entries=7)
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    candidates = set()
+    for layer in learning_layers(model).values():
+        candidates |= {(id(layer), i) for i in layer.graft_candidates["default"].tolist()}
+    layer = next(iter(learning_layers(model).values()))
+    with torch.no_grad():
+        layer.graft_scores["default"][:3] = 1.0  # round(gamma) = these 3 candidates
+    assert trainer.num_grafted_entries() == 3
+    predicted = trainer.predict(data).predictions  # hard mask
+    trainer.save_model(str(tmp_path / "mid"))  # a learning adapter is saved rounded
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "mid").eval()
+    assert loaded.get_region().num_entries == 3 and loaded.get_region() == model.get_region()
+    with torch.no_grad():
+        expected = loaded(input_ids=torch.tensor(data["input_ids"])).logits
+    torch.testing.assert_close(torch.as_tensor(predicted), expected)
+
+    trainer.train()
+    assert model.get_region().num_entries == trainer.mask_report["grafted_entries"] == 7
+    for module, hardened in model.base_model.graft_layers().items():
+        indices = hardened.graft_indices["default"].tolist()
+        assert all((id(hardened), i) in candidates for i in indices), module  # a subset of the candidates
+    trainer.save_model(str(tmp_path / "final"))
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "final")
+    assert loaded.get_region() == model.get_region()
+
+
+def test_cap_resume_from_checkpoint_ends_with_the_same_mask(tmp_path):
+    data = cls_dataset(16)
+
+    def run(output_dir, max_steps, resume=None, candidates=30):
+        _, model = learning_graft(region="empty", candidates=candidates)
+        args = fast_args(
+            tmp_path,
+            output_dir=str(output_dir),
+            per_device_train_batch_size=8,
+            max_steps=max_steps,
+            learning_rate=1e9,
+            save_strategy="steps",
+            save_steps=2,
+        )
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+        trainer.train(resume_from_checkpoint=resume)
+        return model.get_region(), trainer
+
+    full, _ = run(tmp_path / "full", 4)
+    run(tmp_path / "interrupted", 2)
+    resumed, trainer = run(tmp_path / "resumed", 4, resume=str(tmp_path / "interrupted" / "checkpoint-2"))
+    assert trainer.state.global_step == 4 and full.num_entries > 0 and resumed == full
+    with pytest.raises(ValueError, match="same GraftConfig"):
+        run(tmp_path / "other", 4, resume=str(tmp_path / "interrupted" / "checkpoint-2"), candidates=31)
+
+
+def test_bad_candidates_give_clear_errors():
+    pre, finetuned, _ = make_pair("roberta_cls")
+    for bad in (0, -3, 0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="candidates"):
+            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=bad)
+    for bad in ("1%", True, [10]):
+        with pytest.raises(TypeError, match="candidates"):
+            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=bad)
+    with pytest.raises(ValueError, match="learn_region=True"):
+        GraftConfig(finetuned=finetuned, num_entries=5, candidates=10)
+    with pytest.raises(ValueError, match="candidates=10000000 exceeds"):
+        config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=10_000_000)
+        get_peft_model(clone_model(pre), config)
+    with pytest.raises(ValueError, match="rounds to 0"):
+        config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=1e-9)
+        get_peft_model(clone_model(pre), config)
