@@ -6,6 +6,11 @@ loading) and the RSS after loading the pre-trained model, reported as what the m
 
     python benchmarks/bench_mask_step.py --model roberta-base-random   # 125M random classifier, batch 4 x 32
     python benchmarks/bench_mask_step.py --model all-MiniLM-L6-v2      # batch 32 x 64
+
+``--candidates none 0.01`` (the default) times the paper's dense S (``none``) and ``GraftConfig(candidates=0.01)``
+(S on the top 1% movement entries plus gamma_base), all variants alternating in one process. Both variants use the
+same batch and one micro-batch per step (``mask_batch_size=None``, no gradient accumulation). A ``:keep`` suffix
+(e.g. ``0.01:keep``) turns off the saved-tensor hooks that recompute the soft parameters in backward.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+import peft_graft.layer as graft_layer
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 
 MODELS = {"roberta-base-random": (4, 32), "all-MiniLM-L6-v2": (32, 64)}
@@ -84,11 +90,31 @@ def plain_trainer(model: torch.nn.Module) -> Trainer:
     return Trainer(model=model, args=args)
 
 
-def mask_trainer(pre: torch.nn.Module, finetuned: torch.nn.Module) -> MaskTrainer:
-    config = GraftConfig(finetuned=finetuned, sparsity=1e-4, learn_region=True, modules_to_save=["classifier"])
+def parse_candidates(text: str) -> float | int | None:
+    text = text.removesuffix(":keep")
+    if text.lower() == "none":
+        return None
+    return float(text) if any(c in text for c in ".e") else int(text)
+
+
+def use_variant(variant: str) -> None:
+    """``VALUE:keep``: let the layers' ops keep the soft parameters for backward (no saved-tensor hooks)."""
+    graft_layer.RECOMPUTE_SOFT_PARAMETERS = not variant.endswith(":keep")
+
+
+def mask_trainer(pre: torch.nn.Module, finetuned: torch.nn.Module, candidates: float | int | None) -> MaskTrainer:
+    config = GraftConfig(
+        finetuned=finetuned,
+        sparsity=1e-4,
+        learn_region=True,
+        modules_to_save=["classifier"],
+        candidates=candidates,
+    )
     model = get_peft_model(pre, config)
     args = MaskTrainingArguments(output_dir="/tmp/bench_mask", report_to=[], use_cpu=True, mask_batch_size=None)
-    return MaskTrainer(model=model, args=args)
+    trainer = MaskTrainer(model=model, args=args)
+    assert args.gradient_accumulation_steps == 1  # one step = one micro-batch, as the plain step
+    return trainer
 
 
 def step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> float:
@@ -100,23 +126,26 @@ def step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def time_both(name: str, repeats: int) -> dict:
+def time_all(name: str, repeats: int, variants: list[str]) -> dict[str, list[float]]:
+    """Step times of plain SGD and of each mask variant, alternating (one warm-up each)."""
     pre = load_pretrained(name)
     finetuned = fine_tuned_like(pre)
     batch = batch_for(pre, name)
-    plain = plain_trainer(copy.deepcopy(finetuned))
-    mask = mask_trainer(pre, finetuned)
-    del finetuned
-    for trainer in (plain, mask):
+    trainers = {"plain": plain_trainer(copy.deepcopy(finetuned))}
+    for variant in variants:
+        trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, parse_candidates(variant))
+    del finetuned, pre
+    for key, trainer in trainers.items():
+        use_variant(key)
         trainer.create_optimizer()
         trainer.current_gradient_accumulation_steps = 1
         step(trainer, batch)  # warm-up
-    times = {"plain": [], "mask": []}
+    times = {k: [] for k in trainers}
     for _ in range(repeats):
-        times["plain"].append(step(plain, batch))
-        times["mask"].append(step(mask, batch))
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    return {"plain_s": medians["plain"], "mask_s": medians["mask"], "ratio": medians["mask"] / medians["plain"]}
+        for key, trainer in trainers.items():
+            use_variant(key)
+            times[key].append(step(trainer, batch))
+    return times
 
 
 def memory(name: str, variant: str, steps: int) -> dict:
@@ -124,7 +153,11 @@ def memory(name: str, variant: str, steps: int) -> dict:
     loaded = rss_gb()
     batch = batch_for(pre, name)
     # theta_ft is dropped once the graft exists
-    trainer = plain_trainer(pre) if variant == "plain" else mask_trainer(pre, fine_tuned_like(pre))
+    use_variant(variant)
+    if variant == "plain":
+        trainer = plain_trainer(pre)
+    else:
+        trainer = mask_trainer(pre, fine_tuned_like(pre), parse_candidates(variant))
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     ready = rss_gb()
@@ -139,7 +172,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="roberta-base-random")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--memory", choices=["plain", "mask"], help="measure one variant's memory (internal)")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        default=["none", "0.01"],
+        help="mask variants: none (dense S) or a candidates value, optionally :keep",
+    )
+    parser.add_argument("--memory", help="measure one variant's memory: plain or a candidates value (internal)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     hf_logging.set_verbosity_error()
@@ -147,19 +186,26 @@ def main() -> None:
         print(json.dumps(memory(args.model, args.memory, 3)))
         return
     size, length = MODELS[args.model]
-    print(f"model={args.model} batch={size}x{length} threads=2 torch={torch.__version__}")
-    result = time_both(args.model, args.repeats)
-    print(
-        f"step time (median of {args.repeats}): plain SGD {result['plain_s']:.3f} s, mask {result['mask_s']:.3f} s, "
-        f"ratio {result['ratio']:.2f}x"
-    )
-    for variant in ("plain", "mask"):
+    print(f"model={args.model} batch={size}x{length} threads=2 torch={torch.__version__} load={os.getloadavg()}")
+    times = time_all(args.model, args.repeats, args.candidates)
+    plain = statistics.median(times["plain"])
+    print(f"step time (median of {args.repeats}, alternating): plain SGD {plain:.3f} s {fmt(times['plain'])}")
+    for variant in args.candidates:
+        median = statistics.median(times[variant])
+        print(f"  mask candidates={variant}: {median:.3f} s, ratio {median / plain:.2f}x {fmt(times[variant])}")
+    for variant in ["plain", *args.candidates]:
         command = [sys.executable, __file__, "--model", args.model, "--memory", variant]
         out = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+        label = "plain" if variant == "plain" else f"mask candidates={variant}"
         print(
-            f"{variant}: RSS after loading the model {out['rss_after_load_gb']:.2f} GB, before the first step "
+            f"{label}: RSS after loading the model {out['rss_after_load_gb']:.2f} GB, before the first step "
             f"{out['rss_ready_gb']:.2f} GB, peak over steps {out['peak_gb']:.2f} GB (+{out['added_gb']:.2f} GB)"
         )
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+def fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
 if __name__ == "__main__":

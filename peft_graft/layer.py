@@ -87,6 +87,40 @@ class _GraftedCandidates(torch.autograd.Function):
         return (grad, None, None, None, *([None] * len(grads)))
 
 
+RECOMPUTE_SOFT_PARAMETERS = True  # module switch, for tests and benchmarks of the saved-tensor hooks below
+
+
+class _RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
+    """Do not keep the soft parameters ``theta_pre + gamma * delta`` alive for backward: recompute them there.
+
+    The layer's own ops save the tensors they read (``F.linear`` saves its weight for the input gradient), which would
+    hold one fp32 copy of every learning layer's parameters from forward until backward. Within this context, a saved
+    tensor that is (a view of) a soft parameter is packed as a recipe (its source layer, adapter and tensor, plus the
+    view's size, stride and offset) and rebuilt without grad at unpacking. S does not change between forward and
+    backward, so the rebuilt values are the same. The rebuilt tensor carries no graph: a double backward
+    (``create_graph=True``) would miss the second-order terms through it.
+    """
+
+    def __init__(self, sources: dict[int, tuple[torch.dtype, GraftLayer, str, str]]) -> None:
+        def pack(tensor: torch.Tensor):
+            try:
+                source = sources.get(tensor.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
+                return tensor
+            if source is None or source[0] != tensor.dtype:
+                return tensor
+            return (source[1:], tensor.size(), tensor.stride(), tensor.storage_offset())
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            (layer, adapter_name, attr), size, stride, offset = packed
+            with torch.no_grad():
+                return layer.soft_parameters(adapter_name)[attr].as_strided(size, stride, offset)
+
+        super().__init__(pack, unpack)
+
+
 class GraftLayer(nn.Module, BaseTunerLayer):
     """Wraps one module and grafts sparse entries onto its parameters.
 
@@ -348,14 +382,21 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.check_base(adapter_name)
         return self.sparse_entries(adapter_name, attr)
 
-    def effective_parameters(self, adapter_names: list[str]) -> dict[str, torch.Tensor]:
-        """Parameters of the base layer with the given adapters grafted on, for those that change."""
+    def effective_parameters(
+        self, adapter_names: list[str], recipes: dict[str, tuple[GraftLayer, str, str]] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Parameters of the base layer with the given adapters grafted on, for those that change.
+
+        ``recipes``, when given, receives ``attr -> (source layer, adapter, source attr)`` for every override that is
+        exactly a soft parameter (``soft_parameters``) of a learning adapter, so that it can be recomputed.
+        """
         sources = {attr: (self, attr) for attr in self.stored_attrs} | self.tied_sources
         overrides = {}
         soft: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # one autograd node per (source layer, adapter)
         for attr, (layer, source_attr) in sources.items():
             param = getattr(self.base_layer, attr)
             value = param
+            recipe = None
             for adapter_name in adapter_names:
                 if layer.is_training_region(adapter_name) and adapter_name not in layer._hard_cache:
                     key = (id(layer), adapter_name)
@@ -364,6 +405,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     if source_attr not in soft[key]:  # no candidate in this tensor: theta_pre
                         continue
                     # Soft graft of the learning adapter, plus what earlier adapters added to this tensor.
+                    recipe = (layer, adapter_name, source_attr) if value is param else None
                     value = soft[key][source_attr] if value is param else value + (soft[key][source_attr] - param)
                     continue
                 contribution = layer._contribution(adapter_name, source_attr)
@@ -372,8 +414,11 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 indices, values = contribution
                 flat = value.reshape(-1)
                 value = flat.index_put((indices,), (flat[indices].float() + values).to(param.dtype)).view_as(param)
+                recipe = None
             if value is not param:
                 overrides[attr] = value
+                if recipe is not None and recipes is not None:
+                    recipes[attr] = recipe
         return overrides
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -383,9 +428,19 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return self.base_layer(*args, **kwargs)
         if self.merged:
             return self.base_layer(*args, **kwargs)
-        overrides = self.effective_parameters(self.active_adapters)
+        recipes: dict[str, tuple[GraftLayer, str, str]] = {}
+        overrides = self.effective_parameters(self.active_adapters, recipes)
         if not overrides:
             return self.base_layer(*args, **kwargs)
+        if recipes and RECOMPUTE_SOFT_PARAMETERS and torch.is_grad_enabled():
+            sources = {
+                overrides[attr].untyped_storage().data_ptr(): (overrides[attr].dtype, *recipe)
+                for attr, recipe in recipes.items()
+            }
+            with _RecomputeSoftParameters(sources):
+                return torch.func.functional_call(
+                    self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False
+                )
         return torch.func.functional_call(self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False)
 
     # ----------------------------------------------------------------------------------------------- merging

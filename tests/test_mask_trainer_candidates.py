@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import VOCAB, clone_model, make_pair
@@ -178,3 +180,45 @@ def test_bad_candidates_give_clear_errors():
     with pytest.raises(ValueError, match="rounds to 0"):
         config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=1e-9)
         get_peft_model(clone_model(pre), config)
+
+
+# ------------------------------------------------------------------------------------------ saved-tensor hooks
+@pytest.mark.parametrize("candidates", [None, 0.05])
+@pytest.mark.parametrize("arch", ["roberta_cls", "gpt2"])
+def test_soft_parameters_are_recomputed_not_kept_for_backward(arch, candidates, monkeypatch):
+    """The layer's ops do not keep the soft parameters alive until backward, and the gradient of S is unchanged."""
+    _, model = learning_graft(arch, candidates=candidates)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in learning_layers(model).values():
+            s = layer.graft_scores["default"]
+            s.copy_(torch.randn(s.shape, generator=generator) * 3)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
+    labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
+    made = []
+    soft_parameters = GraftLayer.soft_parameters
+
+    def recording(self, adapter_name):
+        out = soft_parameters(self, adapter_name)
+        if torch.is_grad_enabled():
+            made.extend(weakref.ref(t) for t in out.values())
+        return out
+
+    monkeypatch.setattr(GraftLayer, "soft_parameters", recording)
+
+    def run():
+        made.clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        alive = sum(ref() is not None for ref in made)
+        loss.backward()
+        return alive, {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
+
+    alive, ours = run()
+    assert made and alive == 0
+    monkeypatch.setattr(graft_layer, "RECOMPUTE_SOFT_PARAMETERS", False)
+    kept, reference = run()
+    assert kept > 0  # without the hooks, F.linear & co. keep them
+    assert ours.keys() == reference.keys() and ours
+    for name in ours:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-10)
