@@ -17,7 +17,8 @@ MODULE_TYPE_RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
     for kind, pattern in (
         ("layer_norm", r"(layernorm|layer_norm|\bln_\w*|\.ln\w*\.|norm\.(weight|bias)$|rmsnorm)"),
         ("embeddings", r"(embed|\.wte\.|\.wpe\.)"),
-        ("head", r"(^|\.)(lm_head|classifier|score|pooler|cls)\."),
+        ("pooler", r"(^|\.)pooler\."),
+        ("head", r"(^|\.)(lm_head|classifier|score|cls)\."),
         ("attention_query", r"(\.query\.|q_proj)"),
         ("attention_key", r"(\.key\.|k_proj)"),
         ("attention_value", r"(\.value\.|v_proj)"),

@@ -425,3 +425,31 @@ def test_include_and_exclude_parameter_filters():
     config = GraftConfig(finetuned=finetuned, sparsity=1.0, include_parameters=r"LayerNorm\.bias$", task_type=task_type)
     region = get_peft_model(clone_model(pre), config).get_region()
     assert set(region) == {n for n in eligible(pre, task_type) if n.endswith("LayerNorm.bias")}
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "layer"),
+    [
+        ("bert.encoder.layer.3.attention.self.value.weight", "attention_value", 3),
+        ("bert.encoder.layer.0.attention.output.dense.bias", "attention_output", 0),
+        ("bert.encoder.layer.1.intermediate.dense.weight", "ffn_in", 1),
+        ("bert.encoder.layer.1.output.dense.weight", "ffn_out", 1),
+        ("bert.encoder.layer.1.output.LayerNorm.weight", "layer_norm", 1),
+        ("bert.embeddings.word_embeddings.weight", "embeddings", None),
+        ("bert.pooler.dense.weight", "pooler", None),
+        ("classifier.weight", "head", None),
+        ("transformer.h.2.attn.c_attn.weight", "attention_qkv", 2),
+        ("transformer.h.2.mlp.c_fc.bias", "ffn_in", 2),
+        ("transformer.h.2.mlp.c_proj.weight", "ffn_out", 2),
+        ("model.layers.5.self_attn.k_proj.weight", "attention_key", 5),
+        ("model.layers.5.mlp.down_proj.weight", "ffn_out", 5),
+        ("model.layers.5.post_attention_layernorm.weight", "layer_norm", 5),
+        ("model.norm.weight", "layer_norm", None),
+        ("lm_head.weight", "head", None),
+    ],
+)
+def test_module_type_and_layer_of_parameter_names(name, kind, layer):
+    from peft_graft.stats import layer_index, module_type
+
+    assert module_type(name) == kind
+    assert layer_index(name) == layer
