@@ -58,16 +58,21 @@ class _GraftedCandidates(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, base, parts, *thetas):
+    def forward(ctx, scores, movement, base, parts, pool, *thetas):
         ctx.save_for_backward(scores, movement, base)
         ctx.parts = parts
         values = torch.sigmoid(scores.detach())
         if base.numel():
             values[base] = 1.0 - values[base]
         values.mul_(movement)
+        buffers = pool.acquire(thetas) if pool is not None else None
+        ctx.pool = pool if buffers is not None else None
         outputs = []
-        for (a, b, local), theta in zip(parts, thetas, strict=True):
-            out = theta.detach().clone(memory_format=torch.contiguous_format)
+        for i, ((a, b, local), theta) in enumerate(zip(parts, thetas, strict=True)):
+            if buffers is None:
+                out = theta.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                out = buffers[i].copy_(theta.detach())
             flat = out.view(-1)
             if out.dtype == torch.float32:  # index_add_/index_select: far faster than advanced indexing on CPU
                 flat.index_add_(0, local, values[a:b])
@@ -83,11 +88,41 @@ class _GraftedCandidates(torch.autograd.Function):
         for (a, b, local), g in zip(ctx.parts, grads, strict=True):
             if g is not None:
                 grad[a:b] = g.reshape(-1).index_select(0, local)
+        if ctx.pool is not None:
+            ctx.pool.release()
         grad.mul_(movement)
         grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
         if base.numel():
             grad[base] = -grad[base]
-        return (grad, None, None, None, *([None] * len(grads)))
+        return (grad, None, None, None, None, *([None] * len(grads)))
+
+
+class _BufferPool:
+    """Reusable output tensors of one layer's :class:`_GraftedCandidates`, one per stored tensor.
+
+    Allocating fresh parameter-sized tensors every step costs page faults that, on CPU, weigh as much as the copy
+    itself. A buffer is taken by a forward and released by its backward, so it is never overwritten while a graph
+    still needs it: a second forward before the backward (a module called twice) gets fresh tensors instead.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.busy = False
+
+    def acquire(self, thetas: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+        """Buffers shaped like ``thetas``, or ``None`` while a forward's graph still holds them."""
+        if self.busy:
+            return None
+        self.busy = True
+        for i, theta in enumerate(thetas):
+            buffer = self.buffers.get(i)
+            layout = (theta.shape, theta.dtype, theta.device)
+            if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != layout:
+                self.buffers[i] = torch.empty_like(theta, memory_format=torch.contiguous_format)
+        return [self.buffers[i] for i in range(len(thetas))]
+
+    def release(self) -> None:
+        self.busy = False
 
 
 RECOMPUTE_SOFT_PARAMETERS = True  # module switch, for tests and benchmarks of the saved-tensor hooks below
@@ -160,6 +195,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_base_region = BufferDict(persistent=False)
         self.graft_candidates: dict[str, torch.Tensor] = {}  # sorted flat indices S covers (candidates mode only)
         self._candidate_parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        self._soft_buffers: dict[str, _BufferPool] = {}  # reused outputs of _GraftedCandidates, per adapter
         self.stored_attrs = list(stored_attrs)
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
         self.fingerprints: dict[str, list[float]] = {}
@@ -255,6 +291,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def drop_training_state(self, adapter_name: str) -> None:
         self._hard_cache.pop(adapter_name, None)
         self._candidate_parts.pop(adapter_name, None)
+        self._soft_buffers.pop(adapter_name, None)
         for container in (self.graft_scores, self.graft_movement, self.graft_base_region, self.graft_candidates):
             if adapter_name in container:
                 del container[adapter_name]
@@ -288,7 +325,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             attrs = [attr for attr, _ in parts]
             thetas = [getattr(self.base_layer, attr) for attr in attrs]
             base = self.graft_base_region[adapter_name]
-            outputs = _GraftedCandidates.apply(scores, movement, base, [p for _, p in parts], *thetas)
+            # Reuse the output tensors across steps when a backward will release them (see _BufferPool).
+            pool = self._soft_buffers.setdefault(adapter_name, _BufferPool()) if torch.is_grad_enabled() else None
+            outputs = _GraftedCandidates.apply(scores, movement, base, [p for _, p in parts], pool, *thetas)
             return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(self.base_layer, attr) for attr in self.stored_attrs]
         offsets = [int(o) for o in self.offsets]

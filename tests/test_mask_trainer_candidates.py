@@ -71,7 +71,7 @@ def test_small_cap_keeps_state_on_the_top_movement_candidates_only():
     assert capped.get_region() == dense.get_region() and capped.get_region().num_entries == 20
 
 
-def _reference_candidates(scores, movement, base, parts, *thetas):
+def _reference_candidates(scores, movement, base, parts, pool, *thetas):
     """The candidates forward with plain autograd ops (what the custom autograd Function replaces)."""
     gamma = torch.sigmoid(scores)
     values = gamma.index_put((base,), 1.0 - gamma[base]) * movement
@@ -221,3 +221,29 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
     assert ours.keys() == reference.keys() and ours
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-10)
+
+
+def test_candidate_outputs_are_reused_across_steps_only_once_released():
+    _, model = learning_graft("roberta_cls", candidates=0.05)
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    labels = torch.tensor([0, 1])
+    layer = next(layer for layer in learning_layers(model).values() if layer.graft_candidates["default"].numel())
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    first = grads()
+    pointers = [b.data_ptr() for b in layer._soft_buffers["default"].buffers.values()]
+    assert pointers and not layer._soft_buffers["default"].busy  # released by the backward
+    second = grads()
+    assert [b.data_ptr() for b in layer._soft_buffers["default"].buffers.values()] == pointers  # reused
+    assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
+
+    # A forward whose graph gets no backward keeps its buffers: later forwards use fresh tensors, still exact.
+    model(input_ids=ids, labels=labels)
+    assert layer._soft_buffers["default"].busy
+    third = grads()
+    assert all(torch.equal(first[n], third[n]) for n in first)
