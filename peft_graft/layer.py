@@ -9,154 +9,9 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
+from .soft import BufferPool, GraftedCandidates, GraftedTensors, RecomputeSoftParameters
 
-class _GraftedTensors(torch.autograd.Function):
-    """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
-
-    Saves no dense temporary for backward (only references to S and delta, which exist anyway): ``sigmoid(S)`` is
-    recomputed there. One call per layer, so the gradient of the layer's flat S is allocated once.
-    """
-
-    @staticmethod
-    def forward(ctx, scores, movement, base, offsets, *thetas):
-        ctx.save_for_backward(scores, movement, base)
-        ctx.offsets = offsets
-        ctx.dtypes = [theta.dtype for theta in thetas]
-        gamma = torch.sigmoid(scores.detach())
-        if base.numel():
-            gamma[base] = 1.0 - gamma[base]
-        outputs = []
-        for i, theta in enumerate(thetas):
-            a, b = offsets[i], offsets[i + 1]
-            out = torch.addcmul(theta.detach().reshape(-1).float(), gamma[a:b], movement[a:b])
-            outputs.append(out.to(theta.dtype).view_as(theta))
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        scores, movement, base = ctx.saved_tensors
-        offsets = ctx.offsets
-        grad = torch.empty_like(scores)
-        for i, g in enumerate(grads):
-            a, b = offsets[i], offsets[i + 1]
-            if g is None:
-                grad[a:b] = 0.0
-            else:
-                torch.mul(g.reshape(-1), movement[a:b], out=grad[a:b])
-        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
-        if base.numel():
-            grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
-        return (grad, None, None, None, *([None] * len(grads)))
-
-
-class _GraftedCandidates(torch.autograd.Function):
-    """``theta_pre`` with ``gamma(S) * delta`` added at candidate coordinates only (``GraftConfig.candidates``).
-
-    ``scores``, ``movement`` and ``base`` (positions of ``gamma_base`` among the candidates) live on the sorted
-    candidates; ``parts`` gives, per tensor, its slice ``[a, b)`` of the candidates and their local flat indices. One
-    copy pass per tensor in forward, no dense sigmoid; backward gathers the gradient at the candidates only.
-    """
-
-    @staticmethod
-    def forward(ctx, scores, movement, base, parts, pool, *thetas):
-        ctx.save_for_backward(scores, movement, base)
-        ctx.parts = parts
-        values = torch.sigmoid(scores.detach())
-        if base.numel():
-            values[base] = 1.0 - values[base]
-        values.mul_(movement)
-        buffers = pool.acquire(thetas) if pool is not None else None
-        ctx.pool = pool if buffers is not None else None
-        outputs = []
-        for i, ((a, b, local), theta) in enumerate(zip(parts, thetas, strict=True)):
-            if buffers is None:
-                out = theta.detach().clone(memory_format=torch.contiguous_format)
-            else:
-                out = buffers[i].copy_(theta.detach())
-            flat = out.view(-1)
-            if out.dtype == torch.float32:  # index_add_/index_select: far faster than advanced indexing on CPU
-                flat.index_add_(0, local, values[a:b])
-            else:
-                flat.index_copy_(0, local, (flat.index_select(0, local).float() + values[a:b]).to(out.dtype))
-            outputs.append(out)
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        scores, movement, base = ctx.saved_tensors
-        grad = torch.zeros_like(scores)
-        for (a, b, local), g in zip(ctx.parts, grads, strict=True):
-            if g is not None:
-                grad[a:b] = g.reshape(-1).index_select(0, local)
-        if ctx.pool is not None:
-            ctx.pool.release()
-        grad.mul_(movement)
-        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
-        if base.numel():
-            grad[base] = -grad[base]
-        return (grad, None, None, None, None, *([None] * len(grads)))
-
-
-class _BufferPool:
-    """Reusable output tensors of one layer's :class:`_GraftedCandidates`, one per stored tensor.
-
-    Allocating fresh parameter-sized tensors every step costs page faults that, on CPU, weigh as much as the copy
-    itself. A buffer is taken by a forward and released by its backward, so it is never overwritten while a graph
-    still needs it: a second forward before the backward (a module called twice) gets fresh tensors instead.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[int, torch.Tensor] = {}
-        self.busy = False
-
-    def acquire(self, thetas: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
-        """Buffers shaped like ``thetas``, or ``None`` while a forward's graph still holds them."""
-        if self.busy:
-            return None
-        self.busy = True
-        for i, theta in enumerate(thetas):
-            buffer = self.buffers.get(i)
-            layout = (theta.shape, theta.dtype, theta.device)
-            if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != layout:
-                self.buffers[i] = torch.empty_like(theta, memory_format=torch.contiguous_format)
-        return [self.buffers[i] for i in range(len(thetas))]
-
-    def release(self) -> None:
-        self.busy = False
-
-
-RECOMPUTE_SOFT_PARAMETERS = True  # module switch, for tests and benchmarks of the saved-tensor hooks below
-
-
-class _RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
-    """Do not keep the soft parameters ``theta_pre + gamma * delta`` alive for backward: recompute them there.
-
-    The layer's own ops save the tensors they read (``F.linear`` saves its weight for the input gradient), which would
-    hold one fp32 copy of every learning layer's parameters from forward until backward. Within this context, a saved
-    tensor that is (a view of) a soft parameter is packed as a recipe (its source layer, adapter and tensor, plus the
-    view's size, stride and offset) and rebuilt without grad at unpacking. S does not change between forward and
-    backward, so the rebuilt values are the same. The rebuilt tensor carries no graph: a double backward
-    (``create_graph=True``) would miss the second-order terms through it.
-    """
-
-    def __init__(self, sources: dict[int, tuple[torch.dtype, GraftLayer, str, str]]) -> None:
-        def pack(tensor: torch.Tensor):
-            try:
-                source = sources.get(tensor.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
-                return tensor
-            if source is None or source[0] != tensor.dtype:
-                return tensor
-            return (source[1:], tensor.size(), tensor.stride(), tensor.storage_offset())
-
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            (layer, adapter_name, attr), size, stride, offset = packed
-            with torch.no_grad():
-                return layer.soft_parameters(adapter_name)[attr].as_strided(size, stride, offset)
-
-        super().__init__(pack, unpack)
+RECOMPUTE_SOFT_PARAMETERS = True  # module switch, for tests and benchmarks of soft.RecomputeSoftParameters
 
 
 class GraftLayer(nn.Module, BaseTunerLayer):
@@ -195,7 +50,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_base_region = BufferDict(persistent=False)
         self.graft_candidates: dict[str, torch.Tensor] = {}  # sorted flat indices S covers (candidates mode only)
         self._candidate_parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        self._soft_buffers: dict[str, _BufferPool] = {}  # reused outputs of _GraftedCandidates, per adapter
+        self._soft_buffers: dict[str, BufferPool] = {}  # reused outputs of GraftedCandidates, per adapter
         self.stored_attrs = list(stored_attrs)
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
         self.fingerprints: dict[str, list[float]] = {}
@@ -325,14 +180,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             attrs = [attr for attr, _ in parts]
             thetas = [getattr(self.base_layer, attr) for attr in attrs]
             base = self.graft_base_region[adapter_name]
-            # Reuse the output tensors across steps when a backward will release them (see _BufferPool).
-            pool = self._soft_buffers.setdefault(adapter_name, _BufferPool()) if torch.is_grad_enabled() else None
-            outputs = _GraftedCandidates.apply(scores, movement, base, [p for _, p in parts], pool, *thetas)
+            # Reuse the output tensors across steps when a backward will release them (see BufferPool).
+            pool = self._soft_buffers.setdefault(adapter_name, BufferPool()) if torch.is_grad_enabled() else None
+            outputs = GraftedCandidates.apply(scores, movement, base, [p for _, p in parts], pool, *thetas)
             return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(self.base_layer, attr) for attr in self.stored_attrs]
         offsets = [int(o) for o in self.offsets]
         base = self.graft_base_region[adapter_name]
-        outputs = _GraftedTensors.apply(scores, movement, base, offsets, *thetas)
+        outputs = GraftedTensors.apply(scores, movement, base, offsets, *thetas)
         return dict(zip(self.stored_attrs, outputs, strict=True))
 
     def _parts(self, adapter_name: str, device: torch.device) -> list[tuple[str, tuple[int, int, torch.Tensor]]]:
@@ -483,7 +338,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 overrides[attr].untyped_storage().data_ptr(): (overrides[attr].dtype, *recipe)
                 for attr, recipe in recipes.items()
             }
-            with _RecomputeSoftParameters(sources):
+            with RecomputeSoftParameters(sources):
                 return torch.func.functional_call(
                     self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False
                 )

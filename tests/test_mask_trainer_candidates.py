@@ -99,7 +99,7 @@ def test_candidate_score_gradient_matches_autograd_reference(arch, monkeypatch):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
 
     loss, ours = run()
-    monkeypatch.setattr(graft_layer._GraftedCandidates, "apply", _reference_candidates)
+    monkeypatch.setattr(graft_layer.GraftedCandidates, "apply", _reference_candidates)
     reference_loss, reference = run()
     torch.testing.assert_close(loss, reference_loss)
     assert ours.keys() == reference.keys() and ours

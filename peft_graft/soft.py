@@ -1,0 +1,163 @@
+"""The differentiable grafted parameters used while ``MaskTrainer`` learns a region (paper Eq. 3-4).
+
+``theta_pre + gamma(S) * delta`` with ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)``, as
+autograd Functions that keep no dense temporaries for backward: :class:`GraftedTensors` over a layer's whole flat
+index space (the paper's default), :class:`GraftedCandidates` over candidate coordinates only
+(``GraftConfig.candidates``, with its reusable outputs in :class:`BufferPool`), and :class:`RecomputeSoftParameters`,
+saved-tensor hooks that rebuild the grafted tensors in backward instead of letting the layers' ops keep them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .layer import GraftLayer
+
+
+class GraftedTensors(torch.autograd.Function):
+    """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
+
+    Saves no dense temporary for backward (only references to S and delta, which exist anyway): ``sigmoid(S)`` is
+    recomputed there. One call per layer, so the gradient of the layer's flat S is allocated once.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, movement, base, offsets, *thetas):
+        ctx.save_for_backward(scores, movement, base)
+        ctx.offsets = offsets
+        ctx.dtypes = [theta.dtype for theta in thetas]
+        gamma = torch.sigmoid(scores.detach())
+        if base.numel():
+            gamma[base] = 1.0 - gamma[base]
+        outputs = []
+        for i, theta in enumerate(thetas):
+            a, b = offsets[i], offsets[i + 1]
+            out = torch.addcmul(theta.detach().reshape(-1).float(), gamma[a:b], movement[a:b])
+            outputs.append(out.to(theta.dtype).view_as(theta))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        scores, movement, base = ctx.saved_tensors
+        offsets = ctx.offsets
+        grad = torch.empty_like(scores)
+        for i, g in enumerate(grads):
+            a, b = offsets[i], offsets[i + 1]
+            if g is None:
+                grad[a:b] = 0.0
+            else:
+                torch.mul(g.reshape(-1), movement[a:b], out=grad[a:b])
+        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
+        if base.numel():
+            grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
+        return (grad, None, None, None, *([None] * len(grads)))
+
+
+class GraftedCandidates(torch.autograd.Function):
+    """``theta_pre`` with ``gamma(S) * delta`` added at candidate coordinates only (``GraftConfig.candidates``).
+
+    ``scores``, ``movement`` and ``base`` (positions of ``gamma_base`` among the candidates) live on the sorted
+    candidates; ``parts`` gives, per tensor, its slice ``[a, b)`` of the candidates and their local flat indices. One
+    copy pass per tensor in forward, no dense sigmoid; backward gathers the gradient at the candidates only.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, movement, base, parts, pool, *thetas):
+        ctx.save_for_backward(scores, movement, base)
+        ctx.parts = parts
+        values = torch.sigmoid(scores.detach())
+        if base.numel():
+            values[base] = 1.0 - values[base]
+        values.mul_(movement)
+        buffers = pool.acquire(thetas) if pool is not None else None
+        ctx.pool = pool if buffers is not None else None
+        outputs = []
+        for i, ((a, b, local), theta) in enumerate(zip(parts, thetas, strict=True)):
+            if buffers is None:
+                out = theta.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                out = buffers[i].copy_(theta.detach())
+            flat = out.view(-1)
+            if out.dtype == torch.float32:  # index_add_/index_select: far faster than advanced indexing on CPU
+                flat.index_add_(0, local, values[a:b])
+            else:
+                flat.index_copy_(0, local, (flat.index_select(0, local).float() + values[a:b]).to(out.dtype))
+            outputs.append(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        scores, movement, base = ctx.saved_tensors
+        grad = torch.zeros_like(scores)
+        for (a, b, local), g in zip(ctx.parts, grads, strict=True):
+            if g is not None:
+                grad[a:b] = g.reshape(-1).index_select(0, local)
+        if ctx.pool is not None:
+            ctx.pool.release()
+        grad.mul_(movement)
+        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
+        if base.numel():
+            grad[base] = -grad[base]
+        return (grad, None, None, None, None, *([None] * len(grads)))
+
+
+class BufferPool:
+    """Reusable output tensors of one layer's :class:`GraftedCandidates`, one per stored tensor.
+
+    Allocating fresh parameter-sized tensors every step costs page faults that, on CPU, weigh as much as the copy
+    itself. A buffer is taken by a forward and released by its backward, so it is never overwritten while a graph
+    still needs it: a second forward before the backward (a module called twice) gets fresh tensors instead.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.busy = False
+
+    def acquire(self, thetas: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+        """Buffers shaped like ``thetas``, or ``None`` while a forward's graph still holds them."""
+        if self.busy:
+            return None
+        self.busy = True
+        for i, theta in enumerate(thetas):
+            buffer = self.buffers.get(i)
+            layout = (theta.shape, theta.dtype, theta.device)
+            if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != layout:
+                self.buffers[i] = torch.empty_like(theta, memory_format=torch.contiguous_format)
+        return [self.buffers[i] for i in range(len(thetas))]
+
+    def release(self) -> None:
+        self.busy = False
+
+
+class RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
+    """Do not keep the soft parameters ``theta_pre + gamma * delta`` alive for backward: recompute them there.
+
+    The layer's own ops save the tensors they read (``F.linear`` saves its weight for the input gradient), which would
+    hold one fp32 copy of every learning layer's parameters from forward until backward. Within this context, a saved
+    tensor that is (a view of) a soft parameter is packed as a recipe (its source layer, adapter and tensor, plus the
+    view's size, stride and offset) and rebuilt without grad at unpacking. S does not change between forward and
+    backward, so the rebuilt values are the same. The rebuilt tensor carries no graph: a double backward
+    (``create_graph=True``) would miss the second-order terms through it.
+    """
+
+    def __init__(self, sources: dict[int, tuple[torch.dtype, GraftLayer, str, str]]) -> None:
+        def pack(tensor: torch.Tensor):
+            try:
+                source = sources.get(tensor.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
+                return tensor
+            if source is None or source[0] != tensor.dtype:
+                return tensor
+            return (source[1:], tensor.size(), tensor.stride(), tensor.storage_offset())
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            (layer, adapter_name, attr), size, stride, offset = packed
+            with torch.no_grad():
+                return layer.soft_parameters(adapter_name)[attr].as_strided(size, stride, offset)
+
+        super().__init__(pack, unpack)
