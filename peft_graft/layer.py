@@ -8,10 +8,13 @@ import torch
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
+from torch.nn import functional as F
 
-from .soft import BufferPool, GraftedCandidates, GraftedTensors, RecomputeSoftParameters
+from .soft import BufferPool, GraftedCandidates, GraftedRows, GraftedTensors, RecomputeSoftParameters
 
-RECOMPUTE_SOFT_PARAMETERS = True  # module switch, for tests and benchmarks of soft.RecomputeSoftParameters
+# Module switches, for tests and benchmarks of soft.RecomputeSoftParameters and soft.GraftedRows.
+RECOMPUTE_SOFT_PARAMETERS = True
+GRAFT_EMBEDDING_ROWS = True
 
 
 class GraftLayer(nn.Module, BaseTunerLayer):
@@ -166,15 +169,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             gamma = self.gamma(adapter_name)
             return int(((gamma >= 0.5) & (self.graft_movement[adapter_name] != 0)).sum())
 
-    def soft_parameters(self, adapter_name: str) -> dict[str, torch.Tensor]:
+    def soft_parameters(self, adapter_name: str, recomputing: bool = False) -> dict[str, torch.Tensor]:
         """``theta_pre + gamma(S) * delta`` (paper Eq. 3-4) for every stored tensor, differentiable in S.
 
         With candidates, only the tensors holding candidates are returned (the others are ``theta_pre``).
+        ``recomputing``: rebuilt in backward by ``RecomputeSoftParameters`` (dense only), whose sigmoid is kept for
+        this layer's backward.
         """
-        movement = self.graft_movement[adapter_name]
-        scores = self.graft_scores[adapter_name]
-        if movement.device != scores.device:  # a plain dict does not follow module.to(): move it once
-            movement = self.graft_movement[adapter_name] = movement.to(scores.device)
+        scores, movement = self.graft_scores[adapter_name], self._movement(adapter_name)
         if adapter_name in self.graft_candidates:
             parts = self._parts(adapter_name, scores.device)
             attrs = [attr for attr, _ in parts]
@@ -187,8 +189,34 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         thetas = [getattr(self.base_layer, attr) for attr in self.stored_attrs]
         offsets = [int(o) for o in self.offsets]
         base = self.graft_base_region[adapter_name]
-        outputs = GraftedTensors.apply(scores, movement, base, offsets, *thetas)
+        outputs = GraftedTensors.apply(scores, movement, base, offsets, recomputing, *thetas)
         return dict(zip(self.stored_attrs, outputs, strict=True))
+
+    def soft_rows(self, adapter_name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (sorted, unique) of this embedding's soft matrix, differentiable in S (see ``GraftedRows``)."""
+        weight = self.base_layer.weight
+        dim = weight.shape[1]
+        rows = rows.to(torch.int64)
+        candidates = self.graft_candidates.get(adapter_name)
+        if candidates is None:
+            positions = (rows[:, None] * dim + torch.arange(dim, device=rows.device)).reshape(-1)
+            targets = None
+        else:
+            place = torch.full((weight.shape[0],), -1, dtype=torch.int64, device=rows.device)
+            place[rows] = torch.arange(rows.numel(), device=rows.device)
+            place = place[candidates.to(rows.device) // dim]  # row of each candidate in the output, or -1
+            positions = (place >= 0).nonzero().reshape(-1)
+            targets = place[positions] * dim + candidates.to(rows.device)[positions] % dim
+        flipped = torch.isin(positions, self.graft_base_region[adapter_name])
+        scores, movement = self.graft_scores[adapter_name], self._movement(adapter_name)
+        return GraftedRows.apply(scores, movement, weight, rows, positions, targets, flipped)
+
+    def _movement(self, adapter_name: str) -> torch.Tensor:
+        movement = self.graft_movement[adapter_name]
+        device = self.graft_scores[adapter_name].device
+        if movement.device != device:  # a plain dict does not follow module.to(): move it once
+            movement = self.graft_movement[adapter_name] = movement.to(device)
+        return movement
 
     def _parts(self, adapter_name: str, device: torch.device) -> list[tuple[str, tuple[int, int, torch.Tensor]]]:
         """Per stored tensor holding candidates: ``(attr, (a, b, local flat indices))``, cached."""
@@ -329,6 +357,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return self.base_layer(*args, **kwargs)
         if self.merged:
             return self.base_layer(*args, **kwargs)
+        row_adapter = self._row_learning_adapter()
+        if row_adapter is not None:
+            return self._embedding_rows_forward(row_adapter, *args, **kwargs)
         recipes: dict[str, tuple[GraftLayer, str, str]] = {}
         overrides = self.effective_parameters(self.active_adapters, recipes)
         if not overrides:
@@ -343,6 +374,30 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False
                 )
         return torch.func.functional_call(self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False)
+
+    def _row_learning_adapter(self) -> str | None:
+        """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
+        the soft values of the rows it looks up only (``soft_rows``), not of the whole matrix."""
+        base = self.base_layer
+        if not GRAFT_EMBEDDING_ROWS or type(base).forward is not nn.Embedding.forward:
+            return None
+        if base.max_norm is not None or base.sparse or self.tied_sources or self.stored_attrs != ["weight"]:
+            return None
+        if len(self.active_adapters) != 1:
+            return None
+        adapter_name = self.active_adapters[0]
+        learning = self.is_training_region(adapter_name) and adapter_name not in self._hard_cache
+        return adapter_name if learning else None
+
+    def _embedding_rows_forward(self, adapter_name: str, input: torch.Tensor) -> torch.Tensor:
+        base = self.base_layer
+        rows, inverse = torch.unique(input, return_inverse=True)
+        padding_idx = None
+        if base.padding_idx is not None:
+            found = (rows == base.padding_idx).nonzero()
+            padding_idx = int(found[0, 0]) if found.numel() else None
+        weight = self.soft_rows(adapter_name, rows)
+        return F.embedding(inverse, weight, padding_idx, None, base.norm_type, base.scale_grad_by_freq, False)
 
     # ----------------------------------------------------------------------------------------------- merging
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:

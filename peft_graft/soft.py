@@ -3,8 +3,9 @@
 ``theta_pre + gamma(S) * delta`` with ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)``, as
 autograd Functions that keep no dense temporaries for backward: :class:`GraftedTensors` over a layer's whole flat
 index space (the paper's default), :class:`GraftedCandidates` over candidate coordinates only
-(``GraftConfig.candidates``, with its reusable outputs in :class:`BufferPool`), and :class:`RecomputeSoftParameters`,
-saved-tensor hooks that rebuild the grafted tensors in backward instead of letting the layers' ops keep them.
+(``GraftConfig.candidates``, with its reusable outputs in :class:`BufferPool`), :class:`GraftedRows` over the rows of
+an embedding matrix that a batch looks up, and :class:`RecomputeSoftParameters`, saved-tensor hooks that rebuild the
+grafted tensors in backward instead of letting the layers' ops keep them.
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ class GraftedTensors(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, base, offsets, *thetas):
+    def forward(ctx, scores, movement, base, offsets, recomputing, *thetas):
         ctx.save_for_backward(scores, movement, base)
         ctx.offsets = offsets
-        ctx.dtypes = [theta.dtype for theta in thetas]
-        gamma = torch.sigmoid(scores.detach())
-        if base.numel():
-            gamma[base] = 1.0 - gamma[base]
+        sigmoid = torch.sigmoid(scores.detach())
+        on_base = sigmoid[base]
+        sigmoid[base] = 1.0 - on_base  # gamma, flipped on gamma_base (a few entries) and restored below
         outputs = []
         for i, theta in enumerate(thetas):
             a, b = offsets[i], offsets[i + 1]
-            out = torch.addcmul(theta.detach().reshape(-1).float(), gamma[a:b], movement[a:b])
+            out = torch.addcmul(theta.detach().reshape(-1).float(), sigmoid[a:b], movement[a:b])
             outputs.append(out.to(theta.dtype).view_as(theta))
+        if recomputing:  # the backward of this layer comes next: spare it a sigmoid pass
+            sigmoid[base] = on_base
+            RECOMPUTED_SIGMOID.put(scores, sigmoid)
         return tuple(outputs)
 
     @staticmethod
@@ -50,10 +53,39 @@ class GraftedTensors(torch.autograd.Function):
                 grad[a:b] = 0.0
             else:
                 torch.mul(g.reshape(-1), movement[a:b], out=grad[a:b])
-        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
+        sigmoid = RECOMPUTED_SIGMOID.take(scores)
+        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()) if sigmoid is None else sigmoid)
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
-        return (grad, None, None, None, *([None] * len(grads)))
+        return (grad, None, None, None, None, *([None] * len(grads)))
+
+
+class RecomputedSigmoid:
+    """A slot for the ``sigmoid(S)`` of the layer whose soft parameters :class:`RecomputeSoftParameters` rebuilt last.
+
+    That layer's :class:`GraftedTensors` backward runs right after the op that unpacked them, and takes it instead of
+    computing the sigmoid again: one pass over S less per step. One slot only (at most one layer's S-sized tensor is
+    held), keyed by the S tensor and its version, so a slot taken by the wrong layer or after S changed is ignored.
+    """
+
+    def __init__(self) -> None:
+        self.scores: torch.Tensor | None = None
+        self.version = -1
+        self.sigmoid: torch.Tensor | None = None
+
+    def put(self, scores: torch.Tensor, sigmoid: torch.Tensor) -> None:
+        self.scores, self.version, self.sigmoid = scores, scores._version, sigmoid
+
+    def take(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """The held sigmoid if it was computed from ``scores`` as they are now (and empty the slot), else ``None``."""
+        held, version, sigmoid = self.scores, self.version, self.sigmoid
+        self.scores, self.version, self.sigmoid = None, -1, None
+        if held is None or held.data_ptr() != scores.data_ptr() or scores._version != version:
+            return None
+        return sigmoid
+
+
+RECOMPUTED_SIGMOID = RecomputedSigmoid()
 
 
 class GraftedCandidates(torch.autograd.Function):
@@ -102,6 +134,39 @@ class GraftedCandidates(torch.autograd.Function):
         if base.numel():
             grad[base] = -grad[base]
         return (grad, None, None, None, None, *([None] * len(grads)))
+
+
+class GraftedRows(torch.autograd.Function):
+    """Rows ``rows`` of ``theta_pre + gamma(S) * delta`` for an embedding matrix, as a ``[len(rows), dim]`` tensor.
+
+    A batch looks up a few hundred rows of a vocabulary-sized matrix: grafting only those skips the dense passes over
+    the rest (and the dense gradient of the whole matrix that ``F.embedding`` would build). ``positions`` are the
+    entries of S that fall in ``rows``, ``targets`` their flat places in the output (``None``: the output in order,
+    the dense case), ``flipped`` marks those in ``gamma_base``. Entries outside ``rows`` get a zero gradient, as they
+    do through the whole matrix.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, movement, theta, rows, positions, targets, flipped):
+        ctx.save_for_backward(scores, movement, positions, targets, flipped)
+        gamma = torch.sigmoid(scores.detach()[positions])
+        gamma[flipped] = 1.0 - gamma[flipped]
+        out = theta.detach().index_select(0, rows).float()
+        if targets is None:  # same op as GraftedTensors, so both give the same values
+            out.view(-1).addcmul_(gamma, movement[positions])
+        else:
+            out.view(-1).index_add_(0, targets, gamma.mul_(movement[positions]))
+        return out.to(theta.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        scores, movement, positions, targets, flipped = ctx.saved_tensors
+        grad_rows = grad_rows.reshape(-1) if targets is None else grad_rows.reshape(-1).index_select(0, targets)
+        values = grad_rows.float() * movement[positions]
+        values = torch.ops.aten.sigmoid_backward(values, torch.sigmoid(scores.detach()[positions]))
+        values[flipped] = -values[flipped]
+        grad = torch.zeros_like(scores).index_copy_(0, positions, values)
+        return grad, None, None, None, None, None, None
 
 
 class BufferPool:
@@ -158,6 +223,6 @@ class RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
                 return packed
             (layer, adapter_name, attr), size, stride, offset = packed
             with torch.no_grad():
-                return layer.soft_parameters(adapter_name)[attr].as_strided(size, stride, offset)
+                return layer.soft_parameters(adapter_name, recomputing=True)[attr].as_strided(size, stride, offset)
 
         super().__init__(pack, unpack)

@@ -113,7 +113,7 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
 
 
 # ------------------------------------------------------------------------------------------ gradient
-def _reference_grafted(scores, movement, base, offsets, *thetas):
+def _reference_grafted(scores, movement, base, offsets, recomputing, *thetas):
     """Eq. 4 with plain autograd ops (the dense formula the custom autograd Function replaces)."""
     gamma = torch.sigmoid(scores)
     gamma = gamma.index_put((base,), 1.0 - gamma[base])
@@ -140,10 +140,47 @@ def test_score_gradient_matches_autograd_reference(arch, monkeypatch):
 
     ours = grads()
     monkeypatch.setattr(graft_layer.GraftedTensors, "apply", _reference_grafted)
+    monkeypatch.setattr(graft_layer, "GRAFT_EMBEDDING_ROWS", False)  # embeddings through the reference too
     reference = grads()
     assert ours.keys() == reference.keys() and ours
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("candidates", [None, 0.3])
+@pytest.mark.parametrize("arch", ["roberta_cls", "roberta_mlm", "gpt2", "llama"])
+def test_embedding_lookups_graft_only_the_rows_a_batch_uses(arch, candidates, monkeypatch):
+    """``GraftedRows`` (padding row, tied matrices, gamma_base flips) gives the whole-matrix values and gradients."""
+    _, model = learning_graft(arch, num_entries=300, candidates=candidates)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, GraftLayer) and layer.is_training_region("default"):
+                layer.graft_scores["default"].copy_(
+                    torch.randn(layer.graft_scores["default"].shape, generator=generator)
+                )
+    ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
+    ids[:, -2:] = model.config.pad_token_id or 0  # RoBERTa: the embeddings' padding_idx, whose row gets no gradient
+    labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
+    calls = []
+    apply = graft_layer.GraftedRows.apply
+    monkeypatch.setattr(graft_layer.GraftedRows, "apply", lambda *a: calls.append(1) or apply(*a))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n and p.grad is not None}
+        return out.logits.detach(), grads
+
+    logits, grads = run()
+    assert calls  # the word (and position) embeddings took the row path
+    monkeypatch.setattr(graft_layer, "GRAFT_EMBEDDING_ROWS", False)
+    reference_logits, reference = run()
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-6)
+    assert grads.keys() == reference.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-10)
 
 
 def test_gradient_accumulation_gives_the_full_batch_step(tmp_path):
