@@ -1,7 +1,7 @@
 """Mask training run by tests/test_mask_trainer_ddp.py, in 1 process or under ``torchrun --nproc_per_node 2``.
 
-Usage: python tests/ddp_mask_script.py OUTPUT_DIR. Writes OUTPUT_DIR/checkpoint-2 (the sparse graft and S) and
-OUTPUT_DIR/final (the hardened graft).
+Usage: python tests/ddp_mask_script.py OUTPUT_DIR [CANDIDATES]. Writes OUTPUT_DIR/checkpoint-2 (the sparse graft and
+S) and OUTPUT_DIR/final (the hardened graft). CANDIDATES: ``GraftConfig.candidates`` (default: dense S).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from torch import nn
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
 
 
-def main(output_dir: str) -> None:
+def main(output_dir: str, candidates: float | None) -> None:
     torch.set_num_threads(1)
     pre, finetuned, task_type = make_pair("roberta_cls")
-    config = GraftConfig(finetuned=finetuned, region="empty", learn_region=True, task_type=task_type)
+    config = GraftConfig(
+        finetuned=finetuned, region="empty", learn_region=True, task_type=task_type, candidates=candidates
+    )
     model = get_peft_model(clone_model(pre), config)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -54,4 +56,4 @@ def main(output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -22,10 +22,12 @@ def run(command: list[str], cwd) -> str:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_learn_the_same_mask_as_one(tmp_path):
-    single = run([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)
+@pytest.mark.parametrize("candidates", [None, 0.3], ids=["dense", "candidates"])
+def test_two_processes_learn_the_same_mask_as_one(tmp_path, candidates):
+    extra = [] if candidates is None else [str(candidates)]
+    single = run([sys.executable, SCRIPT, str(tmp_path / "one"), *extra], tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
-    double = run([*torchrun, SCRIPT, str(tmp_path / "two")], tmp_path)
+    double = run([*torchrun, SCRIPT, str(tmp_path / "two"), *extra], tmp_path)
     assert "world_size=1 accumulation=4" in single and "world_size=2 accumulation=2" in double
 
     one = load_file(tmp_path / "one" / "checkpoint-2" / "graft_scores.safetensors")
