@@ -52,6 +52,13 @@ class GraftArguments:
         default=True,
         metadata={"help": "Keep exactly |gamma_base| entries after training (else round(gamma), the paper)."},
     )
+    candidates: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learn S only on the top fraction (float) or number (>= 1) of entries by movement plus gamma_base "
+            "(GraftConfig.candidates; not in the paper, cheaper). Default: S on every entry, as the paper."
+        },
+    )
     head: str | None = field(default=None, metadata={"help": "Head when the fine-tuned folder has no set-up file."})
     template: str | None = field(default=None, metadata={"help": "Prompt template (prompt heads, no set-up file)."})
     label_words: str | None = field(default=None, metadata={"help": "Label words (prompt heads, no set-up file)."})
@@ -104,6 +111,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         region=graft_args.region,
         seed=training_args.seed,
         learn_region=True,
+        candidates=None if graft_args.candidates is None else _count_or_fraction(graft_args.candidates),
         modules_to_save=modules_to_save(setup),
     )
     model = get_peft_model(pre, config)
@@ -138,6 +146,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     trainer.log_metrics("graft", metrics)
     Path(training_args.output_dir, "graft_results.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def _count_or_fraction(value: float) -> float | int:
+    """``GraftConfig.candidates`` takes a fraction (float) or a count (int): ``5000.0`` on the command line is 5000."""
+    return int(value) if value > 1 and value == int(value) else value
 
 
 if __name__ == "__main__":

@@ -240,6 +240,14 @@ def test_graft_saves_a_loadable_sparse_graft(assets, finetuned, grafted, head):
     assert model(**batch).logits.shape == (1, 2)
 
 
+@pytest.mark.parametrize(("value", "expected"), [("0.5", 0.5), ("40", 40), ("1", 1.0)])
+def test_graft_candidates_option(assets, finetuned, tmp_path, value, expected):
+    results = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path, "--candidates", value))
+    assert results["grafted_entries"] > 0
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())["candidates"]
+    assert repr(saved) == repr(expected)  # "40" is a count (int), "1" the fraction 1.0 (every entry)
+
+
 # ---------------------------------------------------------------------------------------------------------- evaluate
 @pytest.mark.parametrize("head", ["mlm_prompt", "causal_prompt", "classification"])
 def test_evaluate_writes_the_report(assets, finetuned, grafted, head, tmp_path):
