@@ -9,8 +9,9 @@ loading) and the RSS after loading the pre-trained model, reported as what the m
 
 ``--candidates none 0.01`` (the default) times the paper's dense S (``none``) and ``GraftConfig(candidates=0.01)``
 (S on the top 1% movement entries plus gamma_base), all variants alternating in one process. Both variants use the
-same batch and one micro-batch per step (``mask_batch_size=None``, no gradient accumulation). A ``:keep`` suffix
-(e.g. ``0.01:keep``) turns off the saved-tensor hooks that recompute the soft parameters in backward.
+same batch and one micro-batch per step (``mask_batch_size=None``, no gradient accumulation). Suffixes turn off one
+optimisation each, to measure it: ``:keep`` the saved-tensor hooks that recompute the soft parameters in backward,
+``:no-rows`` the embedding row path (``GraftedRows``); e.g. ``none:no-rows``.
 """
 
 from __future__ import annotations
@@ -91,15 +92,20 @@ def plain_trainer(model: torch.nn.Module) -> Trainer:
 
 
 def parse_candidates(text: str) -> float | int | None:
-    text = text.removesuffix(":keep")
+    text = text.split(":")[0]
     if text.lower() == "none":
         return None
     return float(text) if any(c in text for c in ".e") else int(text)
 
 
 def use_variant(variant: str) -> None:
-    """``VALUE:keep``: let the layers' ops keep the soft parameters for backward (no saved-tensor hooks)."""
-    graft_layer.RECOMPUTE_SOFT_PARAMETERS = not variant.endswith(":keep")
+    """Set the layer switches for ``VALUE[:keep][:no-rows]`` (see the module docstring)."""
+    flags = variant.split(":")[1:]
+    unknown = set(flags) - {"keep", "no-rows"}
+    if unknown:
+        raise ValueError(f"Unknown variant suffix(es) {sorted(unknown)} in {variant!r}: use :keep and/or :no-rows.")
+    graft_layer.RECOMPUTE_SOFT_PARAMETERS = "keep" not in flags
+    graft_layer.GRAFT_EMBEDDING_ROWS = "no-rows" not in flags
 
 
 def mask_trainer(pre: torch.nn.Module, finetuned: torch.nn.Module, candidates: float | int | None) -> MaskTrainer:
@@ -176,7 +182,7 @@ def main() -> None:
         "--candidates",
         nargs="+",
         default=["none", "0.01"],
-        help="mask variants: none (dense S) or a candidates value, optionally :keep",
+        help="mask variants: none (dense S) or a candidates value, optionally with :keep and/or :no-rows",
     )
     parser.add_argument("--memory", help="measure one variant's memory: plain or a candidates value (internal)")
     args = parser.parse_args()
