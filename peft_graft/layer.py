@@ -197,17 +197,22 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         weight = self.base_layer.weight
         dim = weight.shape[1]
         rows = rows.to(torch.int64)
+        place = torch.full((weight.shape[0],), -1, dtype=torch.int64, device=rows.device)
+        place[rows] = torch.arange(rows.numel(), device=rows.device)  # row of the output, or -1
+        base = self.graft_base_region[adapter_name].to(rows.device)
         candidates = self.graft_candidates.get(adapter_name)
-        if candidates is None:
-            positions = (rows[:, None] * dim + torch.arange(dim, device=rows.device)).reshape(-1)
-            targets = None
-        else:
-            place = torch.full((weight.shape[0],), -1, dtype=torch.int64, device=rows.device)
-            place[rows] = torch.arange(rows.numel(), device=rows.device)
-            place = place[candidates.to(rows.device) // dim]  # row of each candidate in the output, or -1
-            positions = (place >= 0).nonzero().reshape(-1)
-            targets = place[positions] * dim + candidates.to(rows.device)[positions] % dim
-        flipped = torch.isin(positions, self.graft_base_region[adapter_name])
+        if candidates is None:  # S is the flat matrix: whole rows, and gamma_base by its flat indices
+            positions = targets = None
+            out_row = place[base // dim]
+            hit = out_row >= 0
+            flipped = torch.zeros(rows.numel() * dim, dtype=torch.bool, device=rows.device)
+            flipped[out_row[hit] * dim + base[hit] % dim] = True
+        else:  # S is over the candidates: those in rows, and gamma_base by position among them
+            candidates = candidates.to(rows.device)
+            out_row = place[candidates // dim]
+            positions = (out_row >= 0).nonzero().reshape(-1)
+            targets = out_row[positions] * dim + candidates[positions] % dim
+            flipped = torch.isin(positions, base)
         scores, movement = self.graft_scores[adapter_name], self._movement(adapter_name)
         return GraftedRows.apply(scores, movement, weight, rows, positions, targets, flipped)
 

@@ -140,33 +140,48 @@ class GraftedRows(torch.autograd.Function):
     """Rows ``rows`` of ``theta_pre + gamma(S) * delta`` for an embedding matrix, as a ``[len(rows), dim]`` tensor.
 
     A batch looks up a few hundred rows of a vocabulary-sized matrix: grafting only those skips the dense passes over
-    the rest (and the dense gradient of the whole matrix that ``F.embedding`` would build). ``positions`` are the
-    entries of S that fall in ``rows``, ``targets`` their flat places in the output (``None``: the output in order,
-    the dense case), ``flipped`` marks those in ``gamma_base``. Entries outside ``rows`` get a zero gradient, as they
-    do through the whole matrix.
+    the rest (and the dense gradient of the whole matrix that ``F.embedding`` would build). Dense S
+    (``positions=None``): S and the movement are the flat matrix, taken by whole rows. With candidates: ``positions``
+    are the entries of S that fall in ``rows`` and ``targets`` their flat places in the output. ``flipped`` marks the
+    gathered entries that are in ``gamma_base``. Entries outside ``rows`` get a zero gradient, as through the matrix.
     """
 
     @staticmethod
     def forward(ctx, scores, movement, theta, rows, positions, targets, flipped):
-        ctx.save_for_backward(scores, movement, positions, targets, flipped)
-        gamma = torch.sigmoid(scores.detach()[positions])
+        ctx.save_for_backward(scores, movement, rows, positions, targets, flipped)
+        ctx.dim = theta.shape[1]
+        gathered, delta = _gather_rows(scores.detach(), movement, rows, positions, ctx.dim)
+        gamma = torch.sigmoid(gathered)
         gamma[flipped] = 1.0 - gamma[flipped]
         out = theta.detach().index_select(0, rows).float()
-        if targets is None:  # same op as GraftedTensors, so both give the same values
-            out.view(-1).addcmul_(gamma, movement[positions])
+        if positions is None:  # same op as GraftedTensors, so both give the same values
+            out.view(-1).addcmul_(gamma, delta)
         else:
-            out.view(-1).index_add_(0, targets, gamma.mul_(movement[positions]))
+            out.view(-1).index_add_(0, targets, gamma.mul_(delta))
         return out.to(theta.dtype)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        scores, movement, positions, targets, flipped = ctx.saved_tensors
+        scores, movement, rows, positions, targets, flipped = ctx.saved_tensors
+        gathered, delta = _gather_rows(scores.detach(), movement, rows, positions, ctx.dim)
         grad_rows = grad_rows.reshape(-1) if targets is None else grad_rows.reshape(-1).index_select(0, targets)
-        values = grad_rows.float() * movement[positions]
-        values = torch.ops.aten.sigmoid_backward(values, torch.sigmoid(scores.detach()[positions]))
+        values = torch.ops.aten.sigmoid_backward(grad_rows.float() * delta, torch.sigmoid(gathered))
         values[flipped] = -values[flipped]
-        grad = torch.zeros_like(scores).index_copy_(0, positions, values)
+        grad = torch.zeros_like(scores)
+        if positions is None:
+            grad.view(-1, ctx.dim).index_copy_(0, rows, values.view(-1, ctx.dim))
+        else:
+            grad.index_copy_(0, positions, values)
         return grad, None, None, None, None, None, None
+
+
+def _gather_rows(scores, movement, rows, positions, dim):
+    """S and the movement at the entries :class:`GraftedRows` applies: whole ``rows``, or ``positions``."""
+    if positions is None:
+        return scores.view(-1, dim).index_select(0, rows).view(-1), movement.view(-1, dim).index_select(0, rows).view(
+            -1
+        )
+    return scores[positions], movement[positions]
 
 
 class BufferPool:
