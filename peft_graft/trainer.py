@@ -300,6 +300,8 @@ class MaskTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """A loadable sparse graft (``round(gamma)``); while learning, S rides along for resuming."""
         super()._save(output_dir, state_dict)
+        if not self.args.should_save:  # transformers calls _save on every rank; one writes (others: no folder yet)
+            return
         scores = self._scores_state()
         if scores:
             output_dir = output_dir if output_dir is not None else self.args.output_dir

@@ -26,7 +26,7 @@ def run(command: list[str], cwd) -> str:
 def test_two_processes_learn_the_same_mask_as_one(tmp_path, candidates):
     extra = [] if candidates is None else [str(candidates)]
     single = run([sys.executable, SCRIPT, str(tmp_path / "one"), *extra], tmp_path)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     double = run([*torchrun, SCRIPT, str(tmp_path / "two"), *extra], tmp_path)
     assert "world_size=1 accumulation=4" in single and "world_size=2 accumulation=2" in double
 
