@@ -22,7 +22,8 @@ class GraftedTensors(torch.autograd.Function):
     """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
 
     Saves no dense temporary for backward (only references to S and delta, which exist anyway): ``sigmoid(S)`` is
-    recomputed there. One call per layer, so the gradient of the layer's flat S is allocated once.
+    taken from :class:`RecomputedSigmoid` there, or recomputed. One call per layer, so the gradient of the layer's flat
+    S is allocated once.
     """
 
     @staticmethod
@@ -178,9 +179,7 @@ class GraftedRows(torch.autograd.Function):
 def _gather_rows(scores, movement, rows, positions, dim):
     """S and the movement at the entries :class:`GraftedRows` applies: whole ``rows``, or ``positions``."""
     if positions is None:
-        return scores.view(-1, dim).index_select(0, rows).view(-1), movement.view(-1, dim).index_select(0, rows).view(
-            -1
-        )
+        return tuple(t.view(-1, dim).index_select(0, rows).view(-1) for t in (scores, movement))
     return scores[positions], movement[positions]
 
 

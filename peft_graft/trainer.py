@@ -114,9 +114,9 @@ class MaskTrainer(Trainer):
         if args.fsdp:
             raise ValueError(
                 "MaskTrainer does not support FSDP (fsdp is set in the training arguments): hardening, the hard-mask "
-                "evaluation and the saved scores read S whole on each rank, which FSDP shards, and accelerate enables "
-                "FSDP on accelerators only, so it has not been run here. Use DDP instead (torchrun or accelerate "
-                "launch without fsdp): the graft layers keep S, its gradient and theta_ft - theta_pre whole per rank."
+                "evaluation and the saved scores read S whole on each rank, which FSDP would shard, and this path has "
+                "never been run. Use DDP instead (torchrun or accelerate launch without fsdp), which keeps S, its "
+                "gradient and theta_ft - theta_pre whole on each rank."
             )
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
