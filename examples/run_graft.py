@@ -55,7 +55,7 @@ class GraftArguments:
     candidates: float | None = field(
         default=None,
         metadata={
-            "help": "Learn S only on the top fraction (float) or number (>= 1) of entries by movement plus gamma_base "
+            "help": "Learn S only on the top fraction (<= 1) or number (> 1) of entries by movement plus gamma_base "
             "(GraftConfig.candidates; not in the paper, cheaper). Default: S on every entry, as the paper."
         },
     )
