@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import example_utils as U  # examples/ is on sys.path when a script there runs
 import numpy as np
 import torch
-import utils_data as U  # examples/ is on sys.path when a script there runs
 from matplotlib.figure import Figure
 from peft import PeftModel, get_peft_model
-from run_finetune import setup_logging
-from run_graft import modules_to_save
 from transformers import DataCollatorWithPadding, HfArgumentParser, Trainer, TrainingArguments
 
 from peft_graft import GraftConfig
@@ -40,20 +37,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvaluateArguments:
-    """The models, the evaluation sets and the sweep."""
+    """The grafts, the evaluation sets, the sweep and the report."""
 
-    model_name_or_path: str = field(metadata={"help": "Pre-trained model theta_pre: local folder or Hub id."})
-    finetuned_model_name_or_path: str = field(metadata={"help": "Fine-tuned model theta_ft (run_finetune.py output)."})
     graft_dirs: list[str] = field(
         metadata={"help": "Graft folders (run_graft.py); the first is the main graft, all are sweep points."}
     )
     eval_datasets: list[str] = field(metadata={"help": "Evaluation sets: local files/folders or Hub ids."})
     eval_names: list[str] | None = field(default=None, metadata={"help": "A name per evaluation set."})
     eval_split: str = field(default="validation", metadata={"help": "Split of Hub/on-disk evaluation sets."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
-    text_column: str = field(default="text", metadata={"help": "Column with the sentence."})
-    label_column: str = field(default="label", metadata={"help": "Column with the label."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate every evaluation set."})
     f1: bool = field(default=False, metadata={"help": "Also report binary F1 (MRPC/QQP style)."})
     sweep_num_entries: list[int] | None = field(
         default=None, metadata={"help": "Extra region sizes for the top-k movement and random regions."}
@@ -86,25 +77,26 @@ class Predictor:
         return np.asarray(trainer.predict(dataset).predictions, dtype=np.float64)
 
 
-def pretrained_with_head(args: EvaluateArguments, setup: U.TaskSetup, tokenizer, finetuned) -> torch.nn.Module:
+def pretrained_with_head(pre: str, setup: U.TaskSetup, tokenizer, finetuned) -> torch.nn.Module:
     """theta_pre, with the fine-tuned classification head for a classification head (the 0-entry graft)."""
-    model = U.load_model(args.model_name_or_path, setup, tokenizer)
+    model = U.load_model(pre, setup, tokenizer)
     if setup.head == "classification":
-        head_state = {k: v for k, v in finetuned.state_dict().items() if k.split(".")[0] in ("classifier", "score")}
+        heads = U.CLASSIFICATION_HEADS
+        head_state = {k: v for k, v in finetuned.state_dict().items() if k.split(".")[0] in heads}
         model.load_state_dict(head_state, strict=False)
     return model
 
 
-def sweep_model(args, setup, tokenizer, finetuned, strategy: str, k: int) -> torch.nn.Module:
+def sweep_model(pre: str, setup, tokenizer, finetuned, strategy: str, k: int, seed: int) -> torch.nn.Module:
     """The graft of the top-k movement (``"movement"``) or a random (``"random"``) region of exactly k entries."""
     config = GraftConfig(
         finetuned=finetuned,
         region=strategy,
         num_entries=k,
-        seed=args.sweep_random_seed,
-        modules_to_save=modules_to_save(setup),
+        seed=seed,
+        modules_to_save=U.modules_to_save(setup),
     )
-    return get_peft_model(U.load_model(args.model_name_or_path, setup, tokenizer), config)
+    return get_peft_model(U.load_model(pre, setup, tokenizer), config)
 
 
 def plot_sweep(sweep: dict[str, dict[int, float]], references: dict[str, float], title: str) -> Figure:
@@ -181,9 +173,9 @@ def summary_markdown(results: dict) -> str:
 
 def main(args: list[str] | None = None) -> dict:
     """Parse ``args`` (default: ``sys.argv``), evaluate, write the report, and return the results."""
-    parser = HfArgumentParser(EvaluateArguments)
-    (eval_args,) = parser.parse_args_into_dataclasses(args)
-    setup_logging(TrainingArguments(output_dir=tempfile.gettempdir(), report_to="none"))
+    parser = HfArgumentParser((U.GraftModelArguments, U.DatasetArguments, EvaluateArguments))
+    model_args, dataset_args, eval_args = parser.parse_args_into_dataclasses(args)
+    U.setup_logging(None, logger)
     start = time.perf_counter()
     names = eval_args.eval_names or [Path(d).stem for d in eval_args.eval_datasets]
     if len(names) != len(eval_args.eval_datasets):
@@ -191,29 +183,31 @@ def main(args: list[str] | None = None) -> dict:
     report_dir = Path(eval_args.report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
 
-    setup = U.TaskSetup.load(eval_args.finetuned_model_name_or_path)
+    # The task set-up saved by run_finetune.py, the evaluation sets, and the three models.
+    pre, ft = model_args.model_name_or_path, model_args.finetuned_model_name_or_path
+    setup = U.TaskSetup.load(ft)
     if setup is None:
-        raise ValueError(
-            f"{eval_args.finetuned_model_name_or_path!r} has no {U.SETUP_FILE}: evaluate a model fine-tuned with "
-            "examples/run_finetune.py."
-        )
-    tokenizer = U.load_tokenizer(eval_args.finetuned_model_name_or_path, setup.head)
+        raise ValueError(f"{ft!r} has no {U.SETUP_FILE}: evaluate a model fine-tuned with examples/run_finetune.py.")
+    tokenizer = U.load_tokenizer(ft, setup.head)
     datasets = {}
     for name, path in zip(names, eval_args.eval_datasets, strict=True):
         frame = U.read_table(
-            path, eval_args.eval_split, eval_args.dataset_config_name, eval_args.text_column, eval_args.label_column
+            path,
+            eval_args.eval_split,
+            dataset_args.dataset_config_name,
+            dataset_args.text_column,
+            dataset_args.label_column,
         )
         frame = U.encode_labels(frame, setup.label_names)
-        if eval_args.max_eval_samples is not None:
-            frame = frame.sample(frac=1.0, random_state=0).iloc[: eval_args.max_eval_samples]
+        if dataset_args.max_eval_samples is not None:
+            frame = frame.sample(frac=1.0, random_state=0).iloc[: dataset_args.max_eval_samples]
         datasets[name] = U.by_length(U.tokenize(frame, tokenizer, setup))
         logger.info("Evaluation set %s: %d examples", name, len(datasets[name]))
 
     predict = Predictor(tokenizer, eval_args.per_device_eval_batch_size, str(report_dir / "tmp"))
-    finetuned = U.load_model(eval_args.finetuned_model_name_or_path, setup, tokenizer)
-    pretrained = pretrained_with_head(eval_args, setup, tokenizer, finetuned)
-    graft = PeftModel.from_pretrained(U.load_model(eval_args.model_name_or_path, setup, tokenizer),
-                                      eval_args.graft_dirs[0])  # fmt: skip
+    finetuned = U.load_model(ft, setup, tokenizer)
+    pretrained = pretrained_with_head(pre, setup, tokenizer, finetuned)
+    graft = PeftModel.from_pretrained(U.load_model(pre, setup, tokenizer), eval_args.graft_dirs[0])
     stats = graft.graft_stats()
     models = {"fine-tuned": finetuned, "graft": graft, "pretrained": pretrained}
 
@@ -246,13 +240,14 @@ def main(args: list[str] | None = None) -> dict:
     sweep: dict[str, dict[str, float]] = {"learned": {}, "top-k movement": {}, "random": {}}
     sizes = set(eval_args.sweep_num_entries or [])
     for directory in eval_args.graft_dirs:
-        model = PeftModel.from_pretrained(U.load_model(eval_args.model_name_or_path, setup, tokenizer), directory)
+        model = PeftModel.from_pretrained(U.load_model(pre, setup, tokenizer), directory)
         k = model.graft_stats().num_entries
         sweep["learned"][str(k)] = accuracy(model)
         sizes.add(k)
     for k in sorted(sizes):
         for strategy, name in (("movement", "top-k movement"), ("random", "random")):
-            sweep[name][str(k)] = accuracy(sweep_model(eval_args, setup, tokenizer, finetuned, strategy, k))
+            model = sweep_model(pre, setup, tokenizer, finetuned, strategy, k, eval_args.sweep_random_seed)
+            sweep[name][str(k)] = accuracy(model)
         logger.info("Sweep at %d entries: %s", k, {n: p.get(str(k)) for n, p in sweep.items()})
 
     references = {"fine-tuned": accuracy(finetuned), "pre-trained" + (" + FT head" if setup.head ==

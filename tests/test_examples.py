@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+import transformers
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -22,10 +26,10 @@ from transformers import (
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import example_utils  # noqa: E402
 import run_evaluate  # noqa: E402
 import run_finetune  # noqa: E402
 import run_graft  # noqa: E402
-import utils_data  # noqa: E402
 
 POSITIVE = ["good", "great", "fun", "moving", "brilliant", "lovely"]
 NEGATIVE = ["bad", "dull", "boring", "awful", "flat", "tedious"]
@@ -108,12 +112,12 @@ def finetuned(assets, tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("head", list(HEAD_ARGS))
 def test_finetune_saves_a_reloadable_model_that_moved(assets, finetuned, head):
-    setup = utils_data.TaskSetup.load(finetuned[head])
+    setup = example_utils.TaskSetup.load(finetuned[head])
     assert setup.head == head and setup.label_names == ["0", "1"]
     model_key = HEAD_ARGS[head][0]
-    tokenizer = utils_data.load_tokenizer(finetuned[head], head)
-    pre = utils_data.load_model(assets[model_key], setup, tokenizer)
-    ft = utils_data.load_model(finetuned[head], setup, tokenizer)
+    tokenizer = example_utils.load_tokenizer(finetuned[head], head)
+    pre = example_utils.load_model(assets[model_key], setup, tokenizer)
+    ft = example_utils.load_model(finetuned[head], setup, tokenizer)
     pre_state, ft_state = dict(pre.named_parameters()), dict(ft.named_parameters())
     moved = [n for n in ft_state if not torch.equal(ft_state[n], pre_state[n])]
     assert moved, "fine-tuning changed nothing"
@@ -148,6 +152,40 @@ def test_finetune_movement_l1_adamw(assets, tmp_path):
     )
     assert metrics["train_loss"] > 0
     assert json.loads((tmp_path / "all_results.json").read_text())["train_loss"] == metrics["train_loss"]
+
+
+def test_loading_reports_only_what_is_not_expected(assets, caplog, capfd):
+    """The new classification head is not reported; other missing weights are, and transformers' report is gone."""
+    tokenizer = example_utils.load_tokenizer(assets["cls"], "classification")
+    setup = example_utils.TaskSetup(head="classification", label_names=["0", "1"])
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    try:
+        with caplog.at_level(logging.INFO, logger=example_utils.__name__):
+            example_utils.load_model(assets["cls"], setup, tokenizer)  # a classifier checkpoint: nothing to say
+            assert not caplog.records
+            example_utils.load_model(assets["mlm"], setup, tokenizer)  # a masked LM: new head, no pooler
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "bert.pooler.dense.weight" in warnings[0] and "classifier" not in warnings[0]
+    unused = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(unused) == 1 and "cls.predictions" in unused[0]
+    assert "LOAD REPORT" not in capfd.readouterr().err
+
+
+def test_scripts_do_not_import_each_other():
+    """Shared code lives in example_utils.py; only run_pipeline.py (the orchestrator) imports the scripts."""
+    scripts = {path.stem for path in EXAMPLES.glob("run_*.py")}
+    for path in EXAMPLES.glob("run_*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+        if path.stem != "run_pipeline":
+            assert not imported & scripts, f"{path.name} imports {sorted(imported & scripts)}"
 
 
 # ---------------------------------------------------------------------------------------------------------- bad input
@@ -228,14 +266,14 @@ def grafted(assets, finetuned, tmp_path_factory) -> dict[str, str]:
 def test_graft_saves_a_loadable_sparse_graft(assets, finetuned, grafted, head):
     results = json.loads(Path(grafted[head], "graft_results.json").read_text())
     assert results["grafted_entries"] > 0 and results["sparsity"] < 0.02
-    setup = utils_data.TaskSetup.load(grafted[head])
-    tokenizer = utils_data.load_tokenizer(grafted[head], head)
+    setup = example_utils.TaskSetup.load(grafted[head])
+    tokenizer = example_utils.load_tokenizer(grafted[head], head)
     model = PeftModel.from_pretrained(
-        utils_data.load_model(assets[HEAD_ARGS[head][0]], setup, tokenizer), grafted[head]
+        example_utils.load_model(assets[HEAD_ARGS[head][0]], setup, tokenizer), grafted[head]
     )
     assert model.graft_stats().num_entries == results["grafted_entries"]
     text = "the movie was good"
-    text = text if head == "classification" else utils_data.prompt_text(tokenizer, text, setup)
+    text = text if head == "classification" else example_utils.prompt_text(tokenizer, text, setup)
     batch = tokenizer([text], return_tensors="pt")
     assert model(**batch).logits.shape == (1, 2)
 
@@ -246,6 +284,30 @@ def test_graft_candidates_option(assets, finetuned, tmp_path, value, expected):
     assert results["grafted_entries"] > 0
     saved = json.loads((tmp_path / "adapter_config.json").read_text())["candidates"]
     assert repr(saved) == repr(expected)  # "40" is a count (int), "1" the fraction 1.0 (every entry)
+
+
+def test_graft_resumes_from_its_checkpoint(assets, finetuned, tmp_path):
+    """A run resumed from checkpoint-2 starts at step 2 and ends with the uninterrupted run's graft."""
+    steps = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_graft.main(graft_args(assets, finetuned, "classification", whole, *steps))
+    checkpoint = whole / "checkpoint-2"
+    run_graft.main(
+        graft_args(assets, finetuned, "classification", resumed, *steps, "--resume_from_checkpoint", str(checkpoint))
+    )
+    assert not (resumed / "checkpoint-2").exists() and (resumed / "checkpoint-4").is_dir()
+
+    def losses(run: Path) -> dict[int, float]:
+        history = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+        return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+    assert losses(resumed) == losses(whole) and set(losses(whole)) == {1, 2, 3, 4}
+    graft_whole = load_file(whole / "adapter_model.safetensors")
+    graft_resumed = load_file(resumed / "adapter_model.safetensors")
+    assert graft_whole.keys() == graft_resumed.keys()
+    assert all(torch.equal(graft_whole[k], graft_resumed[k]) for k in graft_whole)
+    metrics = json.loads((resumed / "graft_results.json").read_text())
+    assert metrics["grafted_entries"] == json.loads((whole / "graft_results.json").read_text())["grafted_entries"]
 
 
 # ---------------------------------------------------------------------------------------------------------- evaluate

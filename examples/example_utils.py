@@ -1,4 +1,6 @@
-"""Shared data, model and prompt helpers of the example scripts (run_finetune.py, run_graft.py, run_evaluate.py).
+"""What the example scripts share: their argument dataclasses, logging, the task set-up, data and model loading.
+
+run_finetune.py, run_graft.py and run_evaluate.py import this module; they never import each other.
 
 Every dataset argument is a local file (``.csv``, ``.tsv``, ``.json``, ``.jsonl``, ``.parquet``), a folder written by
 ``Dataset.save_to_disk``, or a Hub dataset id (``"glue"`` with ``dataset_config_name="sst2"``); every model argument is
@@ -7,15 +9,21 @@ a local folder or a Hub model id. Local tables are read with pandas (no ``load_d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import sys
+import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pandas as pd
 import torch
+import transformers
 from datasets import Dataset, load_dataset, load_from_disk
 from transformers import (
     AutoConfig,
@@ -24,6 +32,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedTokenizerBase,
+    TrainingArguments,
 )
 
 from peft_graft.prompting import LabelWordClassifier, label_word_ids
@@ -34,9 +43,103 @@ HEADS = ("classification", "mlm_prompt", "causal_prompt")
 TABLE_SUFFIXES = {".csv": ",", ".tsv": "\t", ".txt": "\t"}
 SETUP_FILE = "graft_example.json"
 DEFAULT_TEMPLATES = {"mlm_prompt": "{sentence} It was {mask}.", "causal_prompt": "Review: {sentence} Sentiment:"}
+# The heads AutoModelForSequenceClassification adds (BERT-like: classifier, decoder-only: score). A pre-trained
+# checkpoint has none: fine-tuning trains it, and a graft stores theta_ft's head whole (modules_to_save).
+CLASSIFICATION_HEADS = ("classifier", "score")
 
 
-# ------------------------------------------------------------------------------------------------------------- setup
+# ------------------------------------------------------------------------------------------------------- arguments
+@dataclass
+class ModelArguments:
+    """The pre-trained model theta_pre."""
+
+    model_name_or_path: str = field(metadata={"help": "Pre-trained model theta_pre: local folder or Hub id."})
+
+
+@dataclass
+class GraftModelArguments(ModelArguments):
+    """theta_pre and the fine-tuned model theta_ft whose skill is grafted."""
+
+    finetuned_model_name_or_path: str = field(
+        metadata={"help": "Fine-tuned model theta_ft (run_finetune.py output): local folder or Hub id."}
+    )
+
+
+@dataclass
+class TaskArguments:
+    """How a model reads the task. run_graft.py takes them from the fine-tuned folder's set-up file when it has one."""
+
+    head: str | None = field(
+        default=None,
+        metadata={"help": f"One of {HEADS}; default 'classification' (run_graft.py: the fine-tuned model's head)."},
+    )
+    template: str | None = field(
+        default=None,
+        metadata={"help": "Prompt template with {sentence} (and {mask} for mlm_prompt); default per head."},
+    )
+    label_words: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated label words in class order, each one token (spaces kept), e.g. ' bad, good'."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.head is not None:
+            check_head(self.head)
+
+
+@dataclass
+class DatasetArguments:
+    """How to read every dataset argument: the Hub config and the two columns."""
+
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
+    text_column: str = field(default="text", metadata={"help": "Column with the sentence ('sentence' for SST-2)."})
+    label_column: str = field(default="label", metadata={"help": "Column with the label."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate every evaluation set."})
+
+
+@dataclass(kw_only=True)
+class DataArguments(DatasetArguments):
+    """The training data (k-shot sampled) and an optional validation set, for fine-tuning and mask training."""
+
+    dataset_name_or_path: str = field(
+        metadata={"help": "Training data: local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id ('glue')."}
+    )
+    train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
+    validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
+    validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
+    k_shot: int | None = field(default=16, metadata={"help": "Training examples per class (None: all)."})
+    k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
+    max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
+
+
+# ------------------------------------------------------------------------------------------------------- logging
+def setup_logging(training_args: TrainingArguments | None, script_logger: logging.Logger) -> None:
+    """run_glue.py's logging, with the example's own lines at INFO and transformers/datasets at WARNING by default.
+
+    ``--log_level`` (``--log_level_replica`` on the other processes) sets all of them.
+    """
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    if training_args is None:
+        library_level, own_level = transformers.utils.logging.get_verbosity(), logging.INFO
+    else:
+        library_level = training_args.get_process_log_level()
+        passive = training_args.should_log and training_args.log_level == "passive"
+        own_level = logging.INFO if passive else library_level
+    for name in (script_logger.name, __name__, "peft_graft"):
+        logging.getLogger(name).setLevel(own_level)
+    datasets.utils.logging.set_verbosity(library_level)
+    transformers.utils.logging.set_verbosity(library_level)
+    # peft reads PreTrainedModel.is_gradient_checkpointing, which transformers 5 deprecates: nothing to act on here.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+# ------------------------------------------------------------------------------------------------------- task set-up
 @dataclass
 class TaskSetup:
     """How a fine-tuned model reads its inputs; saved beside it as ``graft_example.json`` for the later scripts."""
@@ -52,12 +155,28 @@ class TaskSetup:
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TaskSetup | None:
+        """The set-up saved in ``directory``; None when there is none (another model, a Hub id)."""
         path = Path(directory, SETUP_FILE)
         return cls(**json.loads(path.read_text())) if path.is_file() else None
 
     @property
     def num_labels(self) -> int:
         return len(self.label_names)
+
+
+def task_setup(
+    task_args: TaskArguments, label_names: list[str], max_seq_length: int, saved: TaskSetup | None = None
+) -> TaskSetup:
+    """The set-up saved with the fine-tuned model (``saved``), else the one ``task_args`` describe."""
+    if saved is not None:
+        return dataclasses.replace(saved, max_seq_length=max_seq_length)
+    head = task_args.head or "classification"
+    check_head(head)
+    label_words = parse_label_words(task_args.label_words)
+    if head != "classification" and not label_words:
+        raise ValueError(f"head={head!r} needs --label_words, one word per class of {label_names}.")
+    template = task_args.template or DEFAULT_TEMPLATES.get(head)
+    return TaskSetup(head, label_names, template, label_words, max_seq_length)
 
 
 def parse_label_words(label_words: str | None) -> list[str] | None:
@@ -70,26 +189,12 @@ def check_head(head: str) -> None:
         raise ValueError(f"Unknown head={head!r}: use one of {HEADS}.")
 
 
-# ------------------------------------------------------------------------------------------------------------- data
-@dataclass
-class DataArguments:
-    """Which data to use (a local file/folder or a Hub dataset) and how to sample the training set."""
-
-    dataset_name_or_path: str = field(
-        metadata={"help": "Training data: local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id ('glue')."}
-    )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
-    train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
-    validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
-    validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
-    text_column: str = field(default="text", metadata={"help": "Column with the sentence ('sentence' for SST-2)."})
-    label_column: str = field(default="label", metadata={"help": "Column with the label."})
-    k_shot: int | None = field(default=16, metadata={"help": "Training examples per class (None: all)."})
-    k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
-    max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the evaluation set."})
+def modules_to_save(setup: TaskSetup) -> list[str] | None:
+    """A classification head is new: graft it whole, outside the budget (prompt heads reuse the LM head)."""
+    return list(CLASSIFICATION_HEADS) if setup.head == "classification" else None
 
 
+# ------------------------------------------------------------------------------------------------------- data
 def load_splits(
     data_args: DataArguments, label_names: list[str] | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame | None, list[str]]:
@@ -227,7 +332,7 @@ def by_length(dataset: Dataset) -> Dataset:
     return dataset.select(order.tolist())
 
 
-# ------------------------------------------------------------------------------------------------------------- models
+# ------------------------------------------------------------------------------------------------------- models
 def load_tokenizer(name_or_path: str, head: str) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
@@ -252,12 +357,16 @@ def load_model(name_or_path: str, setup: TaskSetup, tokenizer: PreTrainedTokeniz
         raise ValueError(f"Could not load model {name_or_path!r}: not a local model folder nor a reachable Hub model "
                          f"({type(error).__name__}: {error}).") from error  # fmt: skip
     if setup.head == "classification":
-        return AutoModelForSequenceClassification.from_pretrained(
-            name_or_path, num_labels=setup.num_labels, dtype=torch.float32
+        return from_pretrained(
+            AutoModelForSequenceClassification,
+            name_or_path,
+            new_modules=CLASSIFICATION_HEADS,
+            num_labels=setup.num_labels,
+            dtype=torch.float32,
         )
     auto = AutoModelForMaskedLM if setup.head == "mlm_prompt" else AutoModelForCausalLM
     try:
-        lm = auto.from_pretrained(name_or_path, dtype=torch.float32)
+        lm = from_pretrained(auto, name_or_path, dtype=torch.float32)
     except ValueError as error:
         kind = "masked-LM" if setup.head == "mlm_prompt" else "causal-LM"
         raise ValueError(f"{name_or_path!r} has no {kind} architecture for head={setup.head!r}: {error}") from error
@@ -269,6 +378,55 @@ def load_model(name_or_path: str, setup: TaskSetup, tokenizer: PreTrainedTokeniz
         )
     head = "mlm" if setup.head == "mlm_prompt" else "causal"
     return LabelWordClassifier(lm, ids, head, tokenizer.mask_token_id)
+
+
+def from_pretrained(auto_class, name_or_path: str, new_modules: tuple[str, ...] = (), **kwargs) -> torch.nn.Module:
+    """``auto_class.from_pretrained``, reporting only what the example does not expect.
+
+    transformers logs a load report of missing and unexpected weights; a classification head (``new_modules``) is
+    missing from every pre-trained checkpoint by design, so the report is replaced by: a warning naming the other
+    missing weights (newly initialized), and an INFO line naming the checkpoint weights the model does not use (another
+    task's head). Shape mismatches and conversion errors still raise. A local folder loads without a progress bar.
+    """
+    with _quiet_loading(local=Path(name_or_path).is_dir()):
+        model, info = auto_class.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    name = type(model).__name__
+    missing = sorted(key for key in info["missing_keys"] if key.split(".")[0] not in new_modules)
+    if missing:
+        logger.warning(
+            "%s from %s: %d weights missing from the checkpoint were newly initialized: %s",
+            name, name_or_path, len(missing), _some(missing),
+        )  # fmt: skip
+    if info["unexpected_keys"]:
+        unused = sorted(info["unexpected_keys"])
+        logger.info("%s from %s: %d checkpoint weights not used: %s", name, name_or_path, len(unused), _some(unused))
+    return model
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_loading(local: bool):
+    """Drop transformers' load report (``from_pretrained`` reports instead) and a local folder's progress bar."""
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    drop = _DropLoadReport()
+    report_logger.addFilter(drop)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    if local:
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        report_logger.removeFilter(drop)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _some(keys: list[str], limit: int = 8) -> str:
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
