@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from peft.config import PeftConfig
 
-from .registration import GRAFT_NAME, extend_peft_type
+from .._peft_compat import extend_peft_type
+from ..regions.strategies import get_region_strategy
 
-RegionStrategy = Literal["movement", "random", "bias", "given", "empty"]
-REGION_STRATEGIES: tuple[str, ...] = ("movement", "random", "bias", "given", "empty")
+GRAFT_NAME = "graft"
+GRAFT_PREFIX = "graft_"
 
 
 @dataclass
@@ -26,10 +27,11 @@ class GraftConfig(PeftConfig):
         finetuned_model_name_or_path: Recorded name of theta_ft when it was given as a path or Hub id.
         sparsity: Fraction of the eligible parameters to graft; the budget is ``k = round(sparsity * n_eligible)``.
         num_entries: Exact budget ``k``; overrides ``sparsity`` when set.
-        region: How the region is chosen: ``"movement"`` (the paper's ``gamma_base``: top-k of
-            ``|theta_ft - theta_pre|`` over all eligible tensors), ``"random"`` (seeded), ``"bias"`` (top-k movement
-            among biases only), ``"given"`` (``given_region``), ``"empty"`` (``gamma_base = 0``, with
-            ``learn_region=True`` only).
+        region: Name of the region strategy (see :mod:`peft_graft.regions.strategies`): ``"movement"`` (the paper's
+            ``gamma_base``: top-k of ``|theta_ft - theta_pre|`` over all eligible tensors), ``"random"`` (seeded),
+            ``"bias"`` (top-k movement among biases only), ``"given"`` (``given_region``), ``"empty"``
+            (``gamma_base = 0``, with ``learn_region=True`` only), or any name registered with
+            :func:`~peft_graft.register_region_strategy`.
         seed: Seed of the ``"random"`` region.
         include_parameters: Regex (or list of regexes) a parameter name must match to be eligible; ``None`` = all.
         exclude_parameters: Regex (or list of regexes) that makes a parameter ineligible.
@@ -38,12 +40,12 @@ class GraftConfig(PeftConfig):
         learn_region: Keep ``theta_ft - theta_pre`` and real-valued scores ``S`` so that
             :class:`~peft_graft.MaskTrainer` can learn the region (paper Eq. 3-4). The dense state is never saved.
         score_init: Initial value of ``S``; ``sigmoid(-10) = 4.5e-5``, near 0 as in the paper's reference code.
-        candidates: With ``learn_region=True``, learn ``S`` only on candidate coordinates: the global top-c entries
-            by ``|theta_ft - theta_pre|`` united with ``gamma_base``, where c is a fraction of the eligible entries
-            (a float in (0, 1]) or an exact count (an int >= 1). A departure from the paper, which learns ``S`` over
-            every coordinate: it trades exactness of the search space for cost (S, the movement and the gradient of
-            S then exist on the candidates only, and the learned region is a subset of them). ``None`` (default):
-            the paper's dense search space.
+        search_fraction: With ``learn_region=True``, learn ``S`` only on a *search space*: the top
+            ``search_fraction`` of the eligible entries by ``|theta_ft - theta_pre|``, united with ``gamma_base``. A
+            departure from the paper, which learns ``S`` over every entry: S, the movement and the gradient of S
+            then exist on the search space only (much cheaper), and the learned region is a subset of it. ``None``
+            (default): the paper's dense search space.
+        search_entries: The search space as an exact number of top-movement entries; overrides ``search_fraction``.
         verify_base: Refuse to apply the graft onto a base whose values differ from the theta_pre it was made from.
         grafted_modules: Filled in by the library: number of grafted entries per module (needed to load).
         base_fingerprint: Filled in by the library: theta_pre at a few grafted entries per module.
@@ -62,8 +64,9 @@ class GraftConfig(PeftConfig):
         default=1e-4, metadata={"help": "Fraction of eligible parameters to graft (k = round(sparsity * n_eligible))."}
     )
     num_entries: int | None = field(default=None, metadata={"help": "Exact number of grafted entries k."})
-    region: RegionStrategy = field(
-        default="movement", metadata={"help": f"Region strategy, one of {REGION_STRATEGIES}."}
+    region: str = field(
+        default="movement",
+        metadata={"help": "Region strategy: movement, random, bias, given, empty, or a registered name."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random region."})
     include_parameters: list[str] | str | None = field(
@@ -80,11 +83,17 @@ class GraftConfig(PeftConfig):
         default=False, metadata={"help": "Keep theta_ft - theta_pre and scores S for MaskTrainer (never saved)."}
     )
     score_init: float = field(default=-10.0, metadata={"help": "Initial scores S (sigmoid(S) near 0)."})
-    candidates: float | int | None = field(
+    search_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Learn S only on the top-c movement entries plus gamma_base: c a fraction (float) of the eligible "
-            "entries or a count (int). Not in the paper (dense S); None = dense."
+            "help": "Learn S only on this fraction of the eligible entries (top movement) plus gamma_base. Not in the "
+            "paper (dense S); None = dense."
+        },
+    )
+    search_entries: int | None = field(
+        default=None,
+        metadata={
+            "help": "Learn S only on this many top-movement entries plus gamma_base (overrides search_fraction)."
         },
     )
     verify_base: bool = field(
@@ -108,36 +117,24 @@ class GraftConfig(PeftConfig):
         self._validate()
 
     def _validate(self) -> None:
-        if self.region not in REGION_STRATEGIES:
-            raise ValueError(f"Unknown region strategy region={self.region!r}: use one of {REGION_STRATEGIES}.")
+        if not self.is_created:  # a loaded graft does not need its strategy any more
+            strategy = get_region_strategy(self.region)
+            if strategy.uses_budget and self.num_entries is None:
+                _check_fraction("sparsity", self.sparsity, "e.g. 1e-4 grafts 0.01%")
         if self.num_entries is not None:
-            if isinstance(self.num_entries, bool) or not isinstance(self.num_entries, int):
-                raise TypeError(f"num_entries must be an int, got {type(self.num_entries).__name__}.")
-            if self.num_entries < 1:
-                raise ValueError(f"num_entries must be at least 1, got {self.num_entries}.")
-        elif self.region not in ("given", "empty"):
-            if self.sparsity is None or not isinstance(self.sparsity, (int, float)) or isinstance(self.sparsity, bool):
-                raise TypeError(f"sparsity must be a float in (0, 1], got {self.sparsity!r}.")
-            if not (0.0 < self.sparsity <= 1.0) or math.isnan(self.sparsity):
-                raise ValueError(f"sparsity must lie in (0, 1], got {self.sparsity}: e.g. 1e-4 grafts 0.01%.")
-        if self.candidates is not None:
-            if isinstance(self.candidates, bool) or not isinstance(self.candidates, (int, float)):
-                raise TypeError(
-                    f"candidates must be a float fraction in (0, 1], an int count >= 1 or None, got "
-                    f"{type(self.candidates).__name__}."
-                )
-            if isinstance(self.candidates, float) and (math.isnan(self.candidates) or not 0.0 < self.candidates <= 1.0):
-                raise ValueError(
-                    f"candidates={self.candidates}: a float is a fraction of the eligible entries in (0, 1]; pass an "
-                    "int for an exact count."
-                )
-            if isinstance(self.candidates, int) and self.candidates < 1:
-                raise ValueError(f"candidates={self.candidates}: an int count must be at least 1.")
-            if not self.learn_region and not self.grafted_modules:
-                raise ValueError("candidates only applies while learning a region: set learn_region=True.")
-        if self.region == "empty" and not self.learn_region and not self.grafted_modules:  # hardened: fine
+            _check_count("num_entries", self.num_entries)
+        if self.search_entries is not None:
+            _check_count("search_entries", self.search_entries)
+        elif self.search_fraction is not None:
+            _check_fraction("search_fraction", self.search_fraction, "use search_entries for an exact count")
+        searching = self.search_fraction is not None or self.search_entries is not None
+        if searching and not self.learn_region and not self.is_created:
+            raise ValueError(
+                "search_fraction/search_entries only apply while learning a region: set learn_region=True."
+            )
+        if self.region == "empty" and not self.learn_region and not self.is_created:
             raise ValueError('region="empty" (gamma_base = 0) is only meaningful with learn_region=True.')
-        if self.region == "given" and self._given_region is None and not self.grafted_modules:
+        if self.region == "given" and self._given_region is None and not self.is_created:
             raise ValueError('region="given" needs given_region=<masks, Region or saved graft path>.')
 
     @property
@@ -145,31 +142,47 @@ class GraftConfig(PeftConfig):
         """Whether this config describes an existing graft (loaded or already injected)."""
         return bool(self.grafted_modules)
 
-    def candidate_count(self, num_eligible: int) -> int:
-        """The number c of top-movement candidate coordinates (``candidates``) out of ``num_eligible`` entries."""
-        c = self.candidates if isinstance(self.candidates, int) else round(self.candidates * num_eligible)
-        if c > num_eligible:
-            raise ValueError(
-                f"candidates={self.candidates} exceeds the {num_eligible} eligible parameters: lower it (or use a "
-                "float fraction)."
-            )
-        if c < 1:
-            raise ValueError(
-                f"candidates={self.candidates} of {num_eligible} eligible parameters rounds to 0 entries: raise it."
-            )
-        return c
+    @property
+    def searches_subset(self) -> bool:
+        """Whether ``S`` is learned on a search space smaller than the eligible entries."""
+        return self.search_entries is not None or self.search_fraction is not None
+
+    def search_space_size(self, num_eligible: int) -> int:
+        """The number of top-movement entries of the search space (``search_entries``/``search_fraction``)."""
+        if self.search_entries is not None:
+            size, field_name = self.search_entries, "search_entries"
+        else:
+            size, field_name = round(self.search_fraction * num_eligible), "search_fraction"
+        return _check_budget(size, num_eligible, field_name, getattr(self, field_name))
 
     def budget(self, num_eligible: int) -> int:
         """The exact number of entries k to graft out of ``num_eligible`` eligible ones."""
-        k = self.num_entries if self.num_entries is not None else round(self.sparsity * num_eligible)
-        if k > num_eligible:
-            raise ValueError(
-                f"The budget of {k} entries exceeds the {num_eligible} eligible parameters: lower sparsity or "
-                "num_entries, or widen include_parameters/exclude_parameters/only_moved."
-            )
-        if k < 1:
-            raise ValueError(
-                f"sparsity={self.sparsity} of {num_eligible} eligible parameters rounds to 0 entries: raise sparsity "
-                "or set num_entries."
-            )
-        return k
+        if self.num_entries is not None:
+            return _check_budget(self.num_entries, num_eligible, "num_entries", self.num_entries)
+        return _check_budget(round(self.sparsity * num_eligible), num_eligible, "sparsity", self.sparsity)
+
+
+def _check_fraction(name: str, value: Any, hint: str) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in (0, 1], got {value!r}.")
+    if math.isnan(value) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must lie in (0, 1], got {value}: {hint}.")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}.")
+
+
+def _check_budget(size: int, num_eligible: int, name: str, value: Any) -> int:
+    """``size`` entries out of ``num_eligible``, or a clear error naming the field that asked for them."""
+    if size > num_eligible:
+        raise ValueError(
+            f"{name}={value} asks for {size} entries, which exceeds the {num_eligible} eligible parameters: lower it, "
+            "or widen include_parameters/exclude_parameters/only_moved."
+        )
+    if size < 1:
+        raise ValueError(f"{name}={value} of {num_eligible} eligible parameters rounds to 0 entries: raise it.")
+    return size

@@ -21,12 +21,13 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
-from .layer import GraftLayer
-from .layout import build_layout
-from .model import GraftModel
+from ..parameter_layout import build_layout
+from ..tuner.learning import RegionLearner
+from ..tuner.model import GraftModel
+from .losses import LossTermsTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,20 @@ class MaskTrainingArguments(TrainingArguments):
             raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
 
 
-class MaskTrainer(Trainer):
+class ScoreL1Penalty:
+    """``strength * sum(sigmoid(S))`` over the scores of region learners (a loss term, logged as ``mask_l1``)."""
+
+    name = "mask_l1"
+
+    def __init__(self, learners: list[RegionLearner], strength: float) -> None:
+        self.learners = learners
+        self.strength = strength
+
+    def __call__(self) -> torch.Tensor:
+        return self.strength * sum(torch.sigmoid(learner.scores).sum() for learner in self.learners)
+
+
+class MaskTrainer(LossTermsTrainer):
     """A ``transformers.Trainer`` that learns the region of a graft PeftModel and leaves the hard sparse graft.
 
     The model must come from ``get_peft_model(pre, GraftConfig(finetuned=ft, learn_region=True, ...))``. All its
@@ -120,75 +134,72 @@ class MaskTrainer(Trainer):
             )
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
-            param.requires_grad_(f"graft_scores.{adapter_name}" in name)
+            param.requires_grad_(f"graft_learning.{adapter_name}.scores" in name)
         super().__init__(model=model, args=args, **kwargs)
         # Each micro-batch loss is taken as a mean and divided by the accumulation steps, so that a step's gradient is
         # that of the mean loss over the global batch on any number of processes (many heads, e.g. sequence
         # classification, ignore the num_items_in_batch the Trainer would otherwise rely on).
         self.model_accepts_loss_kwargs = False
         self.adapter_name = adapter_name
-        layers = self._learning_layers()
-        self._num_moved = sum(int((layer.graft_movement[adapter_name] != 0).sum()) for layer in layers)
+        learners = self.region_learners()
+        self._num_moved = sum(int(learner.moved().sum()) for learner in learners.values())
         self._num_parameters = sum(
             info.parameter.numel() for info in build_layout(model.base_model.model).tensors.values()
         )
+        if args.l1_penalty:
+            self.loss_terms.append(ScoreL1Penalty(list(learners.values()), args.l1_penalty))
         self.mask_report: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ mask state
-    def _learning_layers(self) -> list[GraftLayer]:
+    def region_learners(self) -> dict[str, RegionLearner]:
+        """The learning state of the region by module name (empty once hardened)."""
         graft_model: GraftModel = self.model.base_model
-        return [layer for layer in graft_model.graft_layers().values() if layer.is_training_region(self.adapter_name)]
+        return graft_model.region_learners(self.adapter_name)
 
     def num_grafted_entries(self) -> int:
         """Size of the current hard region (``round(gamma)`` while learning)."""
-        layers = self._learning_layers()
-        if layers:
-            return sum(layer.num_hard_entries(self.adapter_name) for layer in layers)
+        learners = self.region_learners()
+        if learners:
+            return sum(learner.num_hard_entries() for learner in learners.values())
         return self.model.base_model.get_region(self.adapter_name).num_entries
 
     @contextmanager
     def hard_mask(self) -> Iterator[None]:
         """Within this context the model applies the rounded region ``round(gamma)`` (as the paper evaluates)."""
-        layers = self._learning_layers()
-        for layer in layers:
-            layer.use_hard_region(self.adapter_name, True)
+        learners = self.region_learners().values()
+        for learner in learners:
+            learner.use_hard(True)
         try:
             yield
         finally:
-            for layer in layers:
-                layer.use_hard_region(self.adapter_name, False)
+            for learner in learners:
+                learner.use_hard(False)
 
     def _scores_state(self) -> dict[str, torch.Tensor]:
-        graft_model: GraftModel = self.model.base_model
         return {
-            module: layer.graft_scores[self.adapter_name].detach().cpu().contiguous()
-            for module, layer in graft_model.graft_layers().items()
-            if layer.is_training_region(self.adapter_name)
+            module: learner.scores.detach().cpu().contiguous() for module, learner in self.region_learners().items()
         }
 
     def _load_scores(self, path: str) -> None:
         state = load_file(path)
-        graft_model: GraftModel = self.model.base_model
-        layers = {
-            m: layer for m, layer in graft_model.graft_layers().items() if layer.is_training_region(self.adapter_name)
-        }
-        if set(state) != set(layers):
+        learners = self.region_learners()
+        if set(state) != set(learners):
             raise ValueError(f"{path} holds scores for other modules than this model's learning graft layers.")
-        for module, layer in layers.items():
-            if state[module].shape != layer.graft_scores[self.adapter_name].shape:
+        for module, learner in learners.items():
+            if state[module].shape != learner.scores.shape:
                 raise ValueError(
                     f"{path} holds {tuple(state[module].shape)} scores for {module!r}, this model learns "
-                    f"{tuple(layer.graft_scores[self.adapter_name].shape)}: create the graft with the same GraftConfig "
-                    "(candidates, region, budget) as the run that wrote the checkpoint."
+                    f"{tuple(learner.scores.shape)}: create the graft with the same GraftConfig (search space, "
+                    "region, budget) as the run that wrote the checkpoint."
                 )
         with torch.no_grad():
-            for module, layer in layers.items():
-                layer.graft_scores[self.adapter_name].copy_(state[module])
+            for module, learner in learners.items():
+                learner.scores.copy_(state[module])
 
     # ------------------------------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
         """Learn S (paper Eq. 3-4), then harden: ``round(gamma)``, or the ``num_entries`` of largest gamma."""
-        if not self._learning_layers():
+        if not self.region_learners():
             raise ValueError(
                 f"Adapter {self.adapter_name!r} is no longer learning its region (it was hardened): build a new "
                 "graft with GraftConfig(finetuned=..., learn_region=True) to train again."
@@ -220,38 +231,12 @@ class MaskTrainer(Trainer):
         self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
         return kept
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
-        result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        if not self.args.l1_penalty or not model.training:
-            return result
-        loss, outputs = result if return_outputs else (result, None)
-        penalty = self.args.l1_penalty * sum(
-            torch.sigmoid(layer.graft_scores[self.adapter_name]).sum() for layer in self._learning_layers()
-        )
-        # Add the penalty once per optimizer step: the Trainer divides the loss by the accumulation steps only when
-        # it is a per-batch mean (the same test as in Trainer.training_step).
-        scaled = (
-            self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        ) or self.compute_loss_func is not None
-        if scaled:
-            penalty = penalty / self.current_gradient_accumulation_steps
-        loss = loss + penalty.to(loss.device)
-        return (loss, outputs) if return_outputs else loss
-
     def _check_labels(self) -> None:
         """Fail before training when the training examples carry no labels the model could compute a loss from."""
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("MaskTrainer needs a train_dataset: the region is learned from the task loss.")
-        if self.compute_loss_func is not None or type(self).compute_loss is not MaskTrainer.compute_loss:
+        if self.compute_loss_func is not None or type(self).compute_loss is not LossTermsTrainer.compute_loss:
             return  # a user loss may find its targets anywhere
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             return
@@ -290,7 +275,7 @@ class MaskTrainer(Trainer):
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._learning_layers():
+        if "loss" in logs and self.region_learners():
             grafted = self.num_grafted_entries()
             logs["grafted_entries"] = grafted
             logs["sparsity"] = grafted / max(self._num_parameters, 1)
@@ -333,8 +318,7 @@ def _check_model(model: Any) -> str:
             "peft.get_peft_model(pretrained, GraftConfig(finetuned=finetuned, learn_region=True, ...))."
         )
     adapter_name = model.active_adapters[0]
-    layers = [m for m in model.base_model.graft_layers().values() if m.is_training_region(adapter_name)]
-    if not layers:
+    if not model.base_model.region_learners(adapter_name):
         raise ValueError(
             f"Adapter {adapter_name!r} has no theta_ft attached to learn a region from: create the graft with "
             "GraftConfig(finetuned=<fine-tuned model, path or state dict>, learn_region=True). A graft loaded with "
