@@ -8,7 +8,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from testing_utils import clone_model, make_pair
 
-from peft_graft import REGION_STRATEGIES, GraftConfig, Region, RegionRequest, register_region_strategy
+from peft_graft import REGION_STRATEGIES, GraftConfig, Region, RegionRequest, global_top_k, register_region_strategy
 
 
 @pytest.fixture
@@ -112,3 +112,22 @@ def test_region_from_pretrained_refuses_bad_folders(tmp_path):
     other, _, _ = make_pair("gpt2")
     with pytest.raises(ValueError, match="does not fit this model"):
         Region.from_pretrained(tmp_path, other)
+
+
+def test_the_readme_strategy_picks_the_largest_relative_movement(strategy_name):
+    pre, finetuned, task_type = make_pair("bert_cls")
+
+    @register_region_strategy(strategy_name)
+    def relative_movement(request: RegionRequest) -> Region:  # as in README.md
+        ratios = {n: d.abs() / (request.pretrained(n).abs() + 1e-8) for n, d in request.movement.items()}
+        return global_top_k(ratios, request.budget(request.num_eligible))
+
+    config = GraftConfig(finetuned=finetuned, region=strategy_name, num_entries=40, task_type=task_type)
+    region = get_peft_model(clone_model(pre), config).get_region()
+    fine = dict(finetuned.named_parameters())
+    eligible = {n: p for n, p in pre.named_parameters() if "classifier" not in n}  # the new head is saved whole
+    ratios = {n: ((fine[n] - p).abs() / (p.abs() + 1e-8)).detach().reshape(-1) for n, p in eligible.items()}
+    threshold = torch.cat(list(ratios.values())).topk(40).values[-1]
+    assert region.num_entries == 40
+    for name, indices in region.items():
+        assert bool((ratios[name][indices] >= threshold).all()), name
