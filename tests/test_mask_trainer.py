@@ -329,3 +329,24 @@ def test_uneven_global_batch_warns(tmp_path, caplog):
         args = fast_args(tmp_path, per_device_train_batch_size=4, max_steps=1)
         MaskTrainer(model=model, args=args, train_dataset=cls_dataset(10))
     assert "not a multiple" in caplog.text and args.gradient_accumulation_steps == 3
+
+
+@pytest.mark.parametrize("mask_dropout", [False, True])
+def test_mask_training_runs_with_dropout_off_by_default(tmp_path, mask_dropout):
+    """With the default, a step equals the step of the same model with every dropout probability set to 0."""
+    data = cls_dataset(16)
+    learned = []
+    for dropout in (0.1, 0.0):
+        pre, finetuned, task_type = make_pair("roberta_cls")
+        config = GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type)
+        model = get_peft_model(clone_model(pre), config)
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = dropout
+        args = fast_args(tmp_path, max_steps=1, learning_rate=1e3, mask_dropout=mask_dropout)
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+        trainer.train = Trainer.train.__get__(trainer)  # keep the soft state to compare S
+        trainer.train()
+        learned.append(scores(model))
+    same = all(torch.equal(learned[0][name], learned[1][name]) for name in learned[0])
+    assert same is not mask_dropout

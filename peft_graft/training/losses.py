@@ -40,12 +40,20 @@ class LossTermsTrainer(Trainer):
                 raise TypeError(f"loss_terms must have a name and be callable, got {type(term).__name__}.")
         self.loss_terms: list[LossTerm] = list(loss_terms)
         self.last_loss_terms: dict[str, float] = {}
+        self._in_training_step = False
+
+    def training_step(self, *args, **kwargs):
+        self._in_training_step = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_training_step = False
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-        if not self.loss_terms or not model.training:
+        if not self.loss_terms or not self._in_training_step:
             return result
         loss, outputs = result if return_outputs else (result, None)
         total = loss.new_zeros(())

@@ -52,6 +52,9 @@ class MaskTrainingArguments(TrainingArguments):
             keep ``round(gamma)`` (the paper).
         l1_penalty: Weight of an optional ``l1_penalty * sum(sigmoid(S))`` added to the training loss (the paper's
             alternative to few steps). ``0`` disables it.
+        mask_dropout: Keep dropout on while learning S (the model in training mode, as any ``Trainer`` runs it).
+            Default ``False``: the model runs in eval mode during mask training, as in the paper's reference code, so
+            a step is a deterministic function of S and the batch.
         select_on_train: Also evaluate the hard mask on the training set at each evaluation and report
             ``eval_train_plus_eval_<metric>`` (the paper picks the mask by train + validation score); use it with
             ``metric_for_best_model="train_plus_eval_<metric>"`` and ``load_best_model_at_end=True``.
@@ -71,6 +74,9 @@ class MaskTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "Exact number of grafted entries after training; None = round(gamma)."}
     )
     l1_penalty: float = field(default=0.0, metadata={"help": "Weight of l1_penalty * sum(sigmoid(S)) in the loss."})
+    mask_dropout: bool = field(
+        default=False, metadata={"help": "Keep dropout on while learning S (default off, as the reference code)."}
+    )
     select_on_train: bool = field(
         default=False, metadata={"help": "Also evaluate on the training set; report train + eval metric sums."}
     )
@@ -231,12 +237,17 @@ class MaskTrainer(LossTermsTrainer):
         self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
         return kept
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._in_training_step and not self.args.mask_dropout:
+            model.eval()  # training_step put it in training mode; S is learned with dropout off (reference code)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
     def _check_labels(self) -> None:
         """Fail before training when the training examples carry no labels the model could compute a loss from."""
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("MaskTrainer needs a train_dataset: the region is learned from the task loss.")
-        if self.compute_loss_func is not None or type(self).compute_loss is not LossTermsTrainer.compute_loss:
+        if self.compute_loss_func is not None or type(self).compute_loss is not MaskTrainer.compute_loss:
             return  # a user loss may find its targets anywhere
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             return
