@@ -350,3 +350,19 @@ def test_mask_training_runs_with_dropout_off_by_default(tmp_path, mask_dropout):
         learned.append(scores(model))
     same = all(torch.equal(learned[0][name], learned[1][name]) for name in learned[0])
     assert same is not mask_dropout
+
+
+def test_uniform_score_start_is_seeded_and_in_range():
+    def start(**config):
+        _, model = learning_graft(score_init=-10.0, **config)
+        return scores(model)
+
+    uniform = start(score_init_width=1.0)
+    assert all(bool(((s >= -10.0) & (s < -9.0)).all()) and s.unique().numel() > 1 for s in uniform.values())
+    again, other = start(score_init_width=1.0), start(score_init_width=1.0, seed=1)
+    assert all(torch.equal(uniform[n], again[n]) for n in uniform)
+    assert not all(torch.equal(uniform[n], other[n]) for n in uniform)
+    assert all(bool((s == -10.0).all()) for s in start().values())  # the default: a constant start
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="score_init_width"):
+            GraftConfig(score_init_width=bad)

@@ -39,7 +39,11 @@ class GraftConfig(PeftConfig):
         modules_to_save: Modules stored whole (e.g. a new classification head), outside the sparsity budget.
         learn_region: Keep ``theta_ft - theta_pre`` and real-valued scores ``S`` so that
             :class:`~peft_graft.MaskTrainer` can learn the region (paper Eq. 3-4). The dense state is never saved.
-        score_init: Initial value of ``S``; ``sigmoid(-10) = 4.5e-5``, near 0 as in the paper's reference code.
+        score_init: Initial value of ``S``: ``sigmoid(-10) = 4.5e-5``, near 0 as the paper asks.
+        score_init_width: With a width ``w > 0``, S starts uniform in ``[score_init, score_init + w)`` (seeded by
+            ``seed`` and the module name, so every process draws the same S). The paper's reference code starts S
+            uniform in [0, 1) under a sigmoid shifted by 10: ``score_init=-10, score_init_width=1``. ``0`` (default):
+            a constant start.
         search_fraction: With ``learn_region=True``, learn ``S`` only on a *search space*: the top
             ``search_fraction`` of the eligible entries by ``|theta_ft - theta_pre|``, united with ``gamma_base``. A
             departure from the paper, which learns ``S`` over every entry: S, the movement and the gradient of S
@@ -83,6 +87,9 @@ class GraftConfig(PeftConfig):
         default=False, metadata={"help": "Keep theta_ft - theta_pre and scores S for MaskTrainer (never saved)."}
     )
     score_init: float = field(default=-10.0, metadata={"help": "Initial scores S (sigmoid(S) near 0)."})
+    score_init_width: float = field(
+        default=0.0, metadata={"help": "S starts uniform in [score_init, score_init + width); reference code: 1."}
+    )
     search_fraction: float | None = field(
         default=None,
         metadata={
@@ -123,6 +130,12 @@ class GraftConfig(PeftConfig):
                 _check_fraction("sparsity", self.sparsity, "e.g. 1e-4 grafts 0.01%")
         if self.num_entries is not None:
             _check_count("num_entries", self.num_entries)
+        for name in ("score_init", "score_init_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if self.score_init_width < 0:
+            raise ValueError(f"score_init_width must be >= 0, got {self.score_init_width}.")
         if self.search_entries is not None:
             _check_count("search_entries", self.search_entries)
         elif self.search_fraction is not None:

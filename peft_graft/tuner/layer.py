@@ -92,6 +92,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         base_region: torch.Tensor,
         score_init: float,
         search_indices: torch.Tensor | None = None,
+        score_init_width: float = 0.0,
+        generator: torch.Generator | None = None,
     ) -> RegionLearner:
         """Attach the state to learn this adapter's region here (see :class:`RegionLearner`)."""
         device = self._device()
@@ -101,6 +103,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             base_region.to(device),
             score_init,
             None if search_indices is None else search_indices.to(device),
+            score_init_width,
+            generator,
         )
         self.graft_learning[adapter_name] = learner
         return learner

@@ -26,8 +26,10 @@ class RegionLearner(nn.Module):
         space: The layer's flat index space.
         movement: ``theta_ft - theta_pre`` (fp32) over the search space.
         base_region: ``gamma_base``: flat indices (dense) or positions among ``search_indices``.
-        score_init: Initial value of every score.
+        score_init: Initial value of the scores (their lower end with ``score_init_width``).
         search_indices: Sorted flat indices S covers, or ``None`` for the whole space.
+        score_init_width: S starts uniform in ``[score_init, score_init + score_init_width)``, drawn with ``generator``.
+        generator: Seeded generator of the uniform start.
     """
 
     def __init__(
@@ -37,6 +39,8 @@ class RegionLearner(nn.Module):
         base_region: torch.Tensor,
         score_init: float,
         search_indices: torch.Tensor | None = None,
+        score_init_width: float = 0.0,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if search_indices is not None:
@@ -53,7 +57,10 @@ class RegionLearner(nn.Module):
         self.movement = movement.to(torch.float32)
         self.search_indices = search_indices
         self.register_buffer("base_region", base_region.to(torch.int64), persistent=False)
-        self.scores = nn.Parameter(torch.full_like(self.movement, score_init))
+        scores = torch.full(self.movement.shape, float(score_init))
+        if score_init_width:
+            scores.add_(torch.rand(self.movement.shape, generator=generator), alpha=score_init_width)
+        self.scores = nn.Parameter(scores.to(self.movement.device))
         self.hard: tuple[torch.Tensor, torch.Tensor] | None = None  # round(gamma) while evaluating the hard mask
         self._parts: list[tuple[str, tuple[int, int, torch.Tensor]]] | None = None
         self._pool = BufferPool()  # reused outputs of GraftedSearchSpace

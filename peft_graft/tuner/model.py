@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -78,8 +79,16 @@ class GraftModel(BaseTuner):
             layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base)
         if current_key in plan.learning:
             learning = plan.learning[current_key]
+            # Seeded by module name: the same S on every process, whatever the order modules are visited in.
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + zlib.crc32(current_key.encode()))
             layer.start_learning(
-                adapter_name, learning.movement, learning.base_region, config.score_init, learning.search_indices
+                adapter_name,
+                learning.movement,
+                learning.base_region,
+                config.score_init,
+                learning.search_indices,
+                config.score_init_width,
+                generator,
             )
         if adapter_name not in self.active_adapters:
             layer.requires_grad_(False)
