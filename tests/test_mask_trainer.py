@@ -75,6 +75,73 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
     assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
 
 
+def _probe_task(seed: int = 0, planted: int = 4):
+    """A probe whose fine-tuning planted ``planted`` entries that solve the task, plus noise everywhere else."""
+    torch.manual_seed(seed)
+    d, n = 64, 512
+    pre = Probe(d)
+    with torch.no_grad():
+        pre.fc.weight.mul_(0.1)
+        pre.fc.bias.zero_()
+    x = torch.randn(n, d)
+    labels = (x[:, :planted].sum(1) > 0).long()
+    finetuned = copy.deepcopy(pre)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        finetuned.fc.weight[0, :planted] += 3.0
+        finetuned.fc.weight[0, planted:] += torch.randn(d - planted, generator=noise) * 2.0
+        finetuned.fc.bias += torch.randn(1, generator=noise) * 2.0
+    return pre, finetuned, x, labels
+
+
+def _accuracy(p):
+    return {"accuracy": float(((p.predictions > 0) == p.label_ids).mean())}
+
+
+@pytest.mark.parametrize("keep_best_mask", [True, False])
+def test_a_run_never_ends_worse_than_its_starting_mask(tmp_path, keep_best_mask):
+    """gamma_base solves the task; training on flipped labels moves the mask away from it. With keep_best_mask the
+    starting mask is a candidate, so the run returns it; without, the last (worse) mask."""
+    pre, finetuned, x, labels = _probe_task()
+    masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
+    config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
+    model = get_peft_model(copy.deepcopy(pre), config)
+    start = model.get_region()
+    flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
+    correct = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
+    args = fast_args(
+        tmp_path, per_device_train_batch_size=512, max_steps=4, learning_rate=1e4, num_entries=4,
+        remove_unused_columns=False, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
+        keep_best_mask=keep_best_mask,
+    )  # fmt: skip
+    trainer = MaskTrainer(
+        model=model, args=args, train_dataset=flipped, eval_dataset=correct, compute_metrics=_accuracy
+    )
+    before = trainer.evaluate()["eval_accuracy"]
+    trainer.train()
+    after = trainer.evaluate()["eval_accuracy"]
+    if keep_best_mask:
+        assert model.get_region() == start and after == before and trainer.mask_report["selected_step"] == 0
+    else:
+        assert model.get_region() != start and after < before
+
+
+def test_keep_best_mask_selects_a_learned_mask_when_it_is_better(tmp_path):
+    pre, finetuned, x, labels = _probe_task()
+    config = GraftConfig(finetuned=finetuned, num_entries=4, learn_region=True)  # gamma_base: top-4 by noise
+    model = get_peft_model(copy.deepcopy(pre), config)
+    data = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
+    args = fast_args(
+        tmp_path, per_device_train_batch_size=512, max_steps=10, learning_rate=1e4, num_entries=4,
+        remove_unused_columns=False, eval_strategy="steps", eval_steps=2, metric_for_best_model="accuracy",
+    )  # fmt: skip
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, compute_metrics=_accuracy)
+    before = trainer.evaluate()["eval_accuracy"]
+    trainer.train()
+    assert trainer.mask_report["selected_step"] > 0 and trainer.evaluate()["eval_accuracy"] > before
+    assert model.get_region().num_entries == 4
+
+
 # ------------------------------------------------------------------------------------------ gradient
 def _reference_grafted(scores, movement, base, offsets, recomputing, *thetas):
     """Eq. 4 with plain autograd ops (the dense formula the custom autograd Function replaces)."""

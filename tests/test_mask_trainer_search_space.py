@@ -124,10 +124,11 @@ def test_cap_hardening_exact_budget_saving_and_evaluation(tmp_path):
     with torch.no_grad():
         layer.learner("default").scores[:3] = 1.0  # round(gamma) = these 3 candidates
     assert trainer.num_grafted_entries() == 3
-    predicted = trainer.predict(data).predictions  # hard mask
-    trainer.save_model(str(tmp_path / "mid"))  # a learning adapter is saved rounded
+    predicted = trainer.predict(data).predictions  # the hard mask it would keep: the exact budget of 7
+    trainer.save_model(str(tmp_path / "mid"))  # saved as that same hard mask
     loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "mid").eval()
-    assert loaded.get_region().num_entries == 3 and loaded.get_region() == model.get_region()
+    kept = {m: set(idx.tolist()) for m, (idx, _) in trainer.kept_entries().items()}
+    assert loaded.get_region().num_entries == 7 and sum(map(len, kept.values())) == 7
     with torch.no_grad():
         expected = loaded(input_ids=torch.tensor(data["input_ids"])).logits
     torch.testing.assert_close(torch.as_tensor(predicted), expected)

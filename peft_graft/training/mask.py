@@ -1,10 +1,10 @@
 """``MaskTrainer``: learn the grafting region of a graft PeftModel (Panigrahi et al., ICML 2023, section 2.3).
 
 Only the scores ``S`` are trained: ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)`` (Eq. 4)
-and the loss is that of ``theta_pre + gamma * (theta_ft - theta_pre)`` (Eq. 3). Evaluation applies the rounded
-(hard) mask, every checkpoint is a loadable sparse graft (the dense ``S`` rides along in ``graft_scores.safetensors``
-for resuming only), and after training the model holds the hard sparse graft: ``round(gamma)``, or exactly
-``num_entries`` entries of largest ``gamma``.
+and the loss is that of ``theta_pre + gamma * (theta_ft - theta_pre)`` (Eq. 3). Evaluation applies the hard mask that
+hardening would keep (``round(gamma)``, or exactly ``num_entries`` entries of largest ``gamma``), every checkpoint is a
+loadable sparse graft of it (the dense ``S`` rides along in ``graft_scores.safetensors`` for resuming only), and after
+training the model holds that hard sparse graft, or the best one evaluated (``keep_best_mask``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from ..parameter_layout import build_layout
-from ..tuner.learning import RegionLearner
+from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
 from .losses import LossTermsTrainer
 
@@ -55,6 +55,10 @@ class MaskTrainingArguments(TrainingArguments):
         mask_dropout: Keep dropout on while learning S (the model in training mode, as any ``Trainer`` runs it).
             Default ``False``: the model runs in eval mode during mask training, as in the paper's reference code, so
             a step is a deterministic function of S and the batch.
+        keep_best_mask: When evaluation runs during training and ``metric_for_best_model`` is set, evaluate the
+            starting mask (``gamma_base``) before the first step too, and end with the best evaluated mask instead of
+            the last one (ties keep the earlier mask), so a run never returns a mask worse than ``gamma_base`` on its
+            selection metric. A run resumed from a checkpoint compares the masks evaluated after resuming.
         select_on_train: Also evaluate the hard mask on the training set at each evaluation and report
             ``eval_train_plus_eval_<metric>`` (the paper picks the mask by train + validation score); use it with
             ``metric_for_best_model="train_plus_eval_<metric>"`` and ``load_best_model_at_end=True``.
@@ -76,6 +80,12 @@ class MaskTrainingArguments(TrainingArguments):
     l1_penalty: float = field(default=0.0, metadata={"help": "Weight of l1_penalty * sum(sigmoid(S)) in the loss."})
     mask_dropout: bool = field(
         default=False, metadata={"help": "Keep dropout on while learning S (default off, as the reference code)."}
+    )
+    keep_best_mask: bool = field(
+        default=True,
+        metadata={
+            "help": "With evaluation and metric_for_best_model: keep the best evaluated mask, gamma_base included."
+        },
     )
     select_on_train: bool = field(
         default=False, metadata={"help": "Also evaluate on the training set; report train + eval metric sums."}
@@ -169,17 +179,28 @@ class MaskTrainer(LossTermsTrainer):
             return sum(learner.num_hard_entries() for learner in learners.values())
         return self.model.base_model.get_region(self.adapter_name).num_entries
 
+    def kept_entries(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The hard region hardening would keep now, by module: ``round(gamma)``, or the ``num_entries`` of largest
+        gamma (at most the moved entries)."""
+        learners = self.region_learners()
+        if self.args.num_entries is None:
+            return {module: learner.harden() for module, learner in learners.items()}
+        return harden_exact(learners, min(self.args.num_entries, self._num_moved))
+
     @contextmanager
-    def hard_mask(self) -> Iterator[None]:
-        """Within this context the model applies the rounded region ``round(gamma)`` (as the paper evaluates)."""
-        learners = self.region_learners().values()
-        for learner in learners:
-            learner.use_hard(True)
+    def hard_mask(self) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Within this context the model applies the hard region it would keep (:meth:`kept_entries`), as the paper
+        evaluates; yields those entries."""
+        learners = self.region_learners()
+        entries = self.kept_entries() if learners else {}
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+        for module, learner in learners.items():
+            learner.hard = entries.get(module, empty)
         try:
-            yield
+            yield entries
         finally:
-            for learner in learners:
-                learner.use_hard(False)
+            for learner in learners.values():
+                learner.hard = None
 
     def _scores_state(self) -> dict[str, torch.Tensor]:
         return {
@@ -211,7 +232,14 @@ class MaskTrainer(LossTermsTrainer):
                 "graft with GraftConfig(finetuned=..., learn_region=True) to train again."
             )
         self._check_labels()
-        output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self._best = None
+        self._tracking_best = self._selects_best_mask()
+        try:
+            if self._tracking_best and not resume_from_checkpoint:
+                self.evaluate()  # the starting mask gamma_base is a candidate
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._tracking_best = False
         if self.args.num_entries is not None and self.args.num_entries > self._num_moved:
             raise ValueError(
                 f"num_entries={self.args.num_entries} exceeds the {self._num_moved} entries fine-tuning moved: lower "
@@ -225,16 +253,46 @@ class MaskTrainer(LossTermsTrainer):
             self.log({f"final_{k}": v for k, v in self.mask_report.items()})
         return output
 
+    def _selects_best_mask(self) -> bool:
+        args = self.args
+        evaluates = args.eval_strategy != "no" and self.eval_dataset is not None
+        return args.keep_best_mask and evaluates and args.metric_for_best_model is not None
+
+    def _track_best(self, metrics: dict[str, float], entries: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep a copy of the evaluated hard region when its selection metric is the best so far (strictly)."""
+        name = self.args.metric_for_best_model
+        value = metrics.get(name if name.startswith("eval_") else f"eval_{name}")
+        if value is None:
+            raise ValueError(
+                f"metric_for_best_model={name!r} is not among the evaluation metrics {sorted(metrics)}: fix it, or "
+                "set keep_best_mask=False."
+            )
+        best = self._best
+        better = best is None or (value > best[0] if self.args.greater_is_better else value < best[0])
+        if better:
+            copy = {module: (idx.detach().clone(), val.detach().clone()) for module, (idx, val) in entries.items()}
+            self._best = (value, self.state.global_step, copy)
+
     def finalize_mask(self) -> int:
-        """Harden the learned region in place (``round(gamma)`` or ``args.num_entries``); returns its size."""
+        """Harden the learned region in place; returns its size.
+
+        Keeps the best evaluated mask when :attr:`MaskTrainingArguments.keep_best_mask` selected one, else
+        ``round(gamma)`` or the ``args.num_entries`` of largest gamma.
+        """
         rounded = self.num_grafted_entries()
-        kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
+        best = getattr(self, "_best", None)
+        if best is not None:
+            kept = self.model.base_model.harden_region(self.adapter_name, entries=best[2])
+        else:
+            kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
         if kept == 0:
             logger.warning(
                 "The learned region is empty (no gamma reached 0.5): raise learning_rate or max_steps, or set "
                 "num_entries to keep the entries of largest gamma."
             )
         self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
+        if best is not None:
+            self.mask_report["selected_step"] = best[1]
         return kept
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -267,10 +325,12 @@ class MaskTrainer(LossTermsTrainer):
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Evaluate the hard (rounded) region, as the paper does; optionally also on the training set."""
-        with self.hard_mask():
+        """Evaluate the hard region (:meth:`kept_entries`), as the paper does; optionally also on the training set."""
+        with self.hard_mask() as entries:
             metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-            extra = {f"{metric_key_prefix}_grafted_entries": self.num_grafted_entries()}
+            learning = bool(self.region_learners())
+            size = sum(int(idx.numel()) for idx, _ in entries.values()) if learning else self.num_grafted_entries()
+            extra = {f"{metric_key_prefix}_grafted_entries": size}
             if self.args.select_on_train and metric_key_prefix.startswith("eval") and self.train_dataset is not None:
                 train = super().evaluate(self.train_dataset, ignore_keys=ignore_keys, metric_key_prefix="train")
                 for key, value in metrics.items():
@@ -279,6 +339,8 @@ class MaskTrainer(LossTermsTrainer):
                         extra[f"{metric_key_prefix}_train_plus_eval_{name}"] = value + train[f"train_{name}"]
         metrics.update(extra)
         self.log(extra)
+        if getattr(self, "_tracking_best", False) and eval_dataset is None and metric_key_prefix == "eval":
+            self._track_best(metrics, entries)
         return metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
@@ -294,8 +356,9 @@ class MaskTrainer(LossTermsTrainer):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """A loadable sparse graft (``round(gamma)``); while learning, S rides along for resuming."""
-        super()._save(output_dir, state_dict)
+        """A loadable sparse graft (the mask evaluation measures); while learning, S rides along for resuming."""
+        with self.hard_mask():
+            super()._save(output_dir, state_dict)
         if not self.args.should_save:  # transformers calls _save on every rank; one writes (others: no folder yet)
             return
         scores = self._scores_state()

@@ -123,10 +123,11 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return adapter_name in self.graft_learning
 
     def entries(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat indices, fp32 values)`` of the hard region of ``adapter_name`` (``round(gamma)`` while learning)."""
+        """``(flat indices, fp32 values)`` of the hard region of ``adapter_name``; while learning, the hard region the
+        layer applies (``RegionLearner.hard``), else ``round(gamma)``."""
         learner = self.learner(adapter_name)
         if learner is not None:
-            return learner.harden()
+            return learner.hard if learner.hard is not None else learner.harden()
         if adapter_name in self.graft_indices:
             return self.graft_indices[adapter_name], self.graft_values[adapter_name]
         return _NO_ENTRIES

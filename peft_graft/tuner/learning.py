@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..parameter_layout import FlatIndexSpace
+from ..regions import global_top_k
 from .autograd import BufferPool, GraftedRows, GraftedSearchSpace, GraftedTensors
 
 
@@ -61,7 +62,9 @@ class RegionLearner(nn.Module):
         if score_init_width:
             scores.add_(torch.rand(self.movement.shape, generator=generator), alpha=score_init_width)
         self.scores = nn.Parameter(scores.to(self.movement.device))
-        self.hard: tuple[torch.Tensor, torch.Tensor] | None = None  # round(gamma) while evaluating the hard mask
+        # The hard region (flat indices, values) the layer applies instead of the soft gamma, e.g. while MaskTrainer
+        # evaluates the mask it would keep; None: the soft gamma of Eq. 4.
+        self.hard: tuple[torch.Tensor, torch.Tensor] | None = None
         self._parts: list[tuple[str, tuple[int, int, torch.Tensor]]] | None = None
         self._pool = BufferPool()  # reused outputs of GraftedSearchSpace
 
@@ -104,10 +107,6 @@ class RegionLearner(nn.Module):
         """Size of ``round(gamma)`` (moved entries only), without materialising the region."""
         with torch.no_grad():
             return int(((self.gamma() >= 0.5) & self.moved()).sum())
-
-    def use_hard(self, hard: bool) -> None:
-        """Make the layer apply ``round(gamma)`` (``hard=True``, for evaluation) or the soft gamma of Eq. 4."""
-        self.hard = self.harden() if hard else None
 
     # ------------------------------------------------------------------------------------------ grafted tensors
     def soft_parameters(self, base_layer: nn.Module, recomputing: bool = False) -> dict[str, torch.Tensor]:
@@ -174,3 +173,14 @@ class RegionLearner(nn.Module):
     def extra_repr(self) -> str:
         space = "dense" if self.search_indices is None else f"search space of {self.search_indices.numel()}"
         return f"{self.scores.numel()} scores ({space}), gamma_base of {self.base_region.numel()}"
+
+
+def harden_exact(learners: dict[str, RegionLearner], k: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Exactly ``k`` moved entries of largest gamma over all learners: module -> (flat indices, values).
+
+    Ties go to the earlier module, then the lower index.
+    """
+    with torch.no_grad():
+        gammas = {module: torch.where(learner.moved(), learner.gamma(), -1.0) for module, learner in learners.items()}
+        region = global_top_k(gammas, k)  # positions in each module's S
+        return {module: learners[module].entries_at(positions) for module, positions in region.items()}

@@ -13,10 +13,10 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
 from ..parameter_layout import build_layout
-from ..regions import Region, global_top_k
+from ..regions import Region
 from .config import GRAFT_PREFIX, GraftConfig
 from .layer import GraftLayer
-from .learning import RegionLearner
+from .learning import RegionLearner, harden_exact
 from .planning import plan_loaded_graft, plan_new_graft
 
 PEFT_PREFIX = "base_model.model."
@@ -162,24 +162,31 @@ class GraftModel(BaseTuner):
                 region[layout.by_site[(module, attr)].name] = local
         return Region(region)
 
-    def harden_region(self, adapter_name: str | None = None, num_entries: int | None = None) -> int:
+    def harden_region(
+        self,
+        adapter_name: str | None = None,
+        num_entries: int | None = None,
+        entries: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> int:
         """Turn a learned region into a hard sparse graft (``round(gamma)``, or the top ``num_entries`` of gamma).
 
-        Returns the number of grafted entries. The dense training state is released.
+        ``entries`` (module -> flat indices, values), when given, is the hard region to keep instead (e.g. the best
+        mask seen by ``MaskTrainer``). Returns the number of grafted entries. The learning state is released.
         """
         adapter_name = adapter_name or self.active_adapters[0]
         learners = self.region_learners(adapter_name)
         if not learners:
             raise ValueError(f"Adapter {adapter_name!r} has no region being learned (GraftConfig(learn_region=True)).")
-        hardened = None
-        if num_entries is not None:
+        hardened = entries
+        if hardened is None and num_entries is not None:
             moved = sum(int(learner.moved().sum()) for learner in learners.values())
             if not 1 <= num_entries <= moved:
                 raise ValueError(f"num_entries={num_entries} must lie in [1, {moved}] (the moved entries).")
-            hardened = _harden_exact(learners, num_entries)
+            hardened = harden_exact(learners, num_entries)
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
         total = 0
         for module, learner in learners.items():
-            indices, values = hardened[module] if hardened else learner.harden()
+            indices, values = hardened.get(module, empty) if hardened is not None else learner.harden()
             layer = self.model.get_submodule(module)
             layer.stop_learning(adapter_name)
             layer.set_region(adapter_name, indices, values)
@@ -281,18 +288,6 @@ def validate_entries(indices: torch.Tensor, values: torch.Tensor, count: int, nu
         raise ValueError(f"Graft indices of module {module!r} are not strictly increasing: the file is corrupt.")
     if not torch.isfinite(values).all():
         raise ValueError(f"Graft values of module {module!r} contain NaN or inf: the file is corrupt.")
-
-
-def _harden_exact(learners: dict[str, RegionLearner], k: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Exactly ``k`` moved entries of largest gamma over all layers (ties by module order, then index)."""
-    with torch.no_grad():
-        gammas = {module: torch.where(learner.moved(), learner.gamma(), -1.0) for module, learner in learners.items()}
-        region = global_top_k(gammas, k)  # positions in each module's S
-        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
-        return {
-            module: learner.entries_at(region[module]) if module in region else empty
-            for module, learner in learners.items()
-        }
 
 
 def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
