@@ -1,6 +1,6 @@
 """Benchmarks of the graft method on a randomly initialised RoBERTa-base-sized classifier (about 125M parameters).
 
-Figures (see ../shared/BENCH.md for the protocol):
+Figures (protocol and results in BENCHMARKS.md):
 
 - ``topk``: time and added peak RSS of creating a graft of 12,500 entries (sparsity 1e-4) with ``get_peft_model``;
   the time of ``theta_ft - theta_pre`` of every tensor plus the exact global top-k (what the reference code's 3.4 s
@@ -31,8 +31,8 @@ from transformers.utils import logging as hf_logging
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig
-from peft_graft.movement import compute_movement
 from peft_graft.regions import top_k_movement
+from peft_graft.scores import compute_movement, eligible_tensors
 
 NUM_ENTRIES = 12_500  # sparsity 1e-4 of the 125M parameters
 BATCH, SEQ_LEN = 4, 32
@@ -84,8 +84,7 @@ def timed(function, repeats: int) -> list[float]:
 def part_topk(repeats: int) -> dict:
     from peft import get_peft_model
 
-    from peft_graft.layout import build_layout
-    from peft_graft.movement import candidate_tensors
+    from peft_graft.parameter_layout import build_layout
 
     pre, finetuned = make_pair()
     num_parameters = sum(p.numel() for p in pre.parameters())
@@ -100,14 +99,27 @@ def part_topk(repeats: int) -> dict:
 
     layout = build_layout(pre)
     config = graft_config(finetuned)
-    movement = compute_movement(finetuned, layout, candidate_tensors(layout, config), only_moved=True)
+    movement = compute_movement(
+        finetuned,
+        layout,
+        eligible_tensors(layout, config.include_parameters, config.exclude_parameters, config.modules_to_save),
+        only_moved=True,
+    )
     k = config.budget(sum(d.numel() for d in movement.values()))
     top_k_movement(movement, k)  # warm-up
     topk_s = statistics.median(timed(lambda: top_k_movement(movement, k), repeats))
     movement.clear()
 
     def movement_and_top_k():
-        top_k_movement(compute_movement(finetuned, layout, candidate_tensors(layout, config), only_moved=True), k)
+        top_k_movement(
+            compute_movement(
+                finetuned,
+                layout,
+                eligible_tensors(layout, config.include_parameters, config.exclude_parameters, config.modules_to_save),
+                only_moved=True,
+            ),
+            k,
+        )
 
     movement_and_top_k_s = statistics.median(timed(movement_and_top_k, repeats))
     return {

@@ -1,4 +1,4 @@
-"""Cost of one MaskTrainer step against one plain SGD fine-tuning step on the same model and batch (issue 3).
+"""Cost of one MaskTrainer step against one plain SGD fine-tuning step on the same model and batch.
 
 Time: both variants in one process, alternating, after a warm-up; the median of ``--repeats`` steps each. Memory:
 each variant in its own process (``--memory plain|mask``): peak RSS of the training steps (VmHWM reset after
@@ -7,8 +7,9 @@ loading) and the RSS after loading the pre-trained model, reported as what the m
     python benchmarks/bench_mask_step.py --model roberta-base-random   # 125M random classifier, batch 4 x 32
     python benchmarks/bench_mask_step.py --model all-MiniLM-L6-v2      # batch 32 x 64
 
-``--candidates none 0.01`` (the default) times the paper's dense S (``none``) and ``GraftConfig(candidates=0.01)``
-(S on the top 1% movement entries plus gamma_base), all variants alternating in one process. Both variants use the
+``--search none 0.01`` (the default) times the paper's dense S (``none``) and ``GraftConfig(search_fraction=0.01)``
+(S on the top 1% movement entries plus gamma_base; an int is ``search_entries``), all variants alternating in one
+process. Both variants use the
 same batch and one micro-batch per step (``mask_batch_size=None``, no gradient accumulation). Suffixes turn off one
 optimisation each, to measure it: ``:keep`` the saved-tensor hooks that recompute the soft parameters in backward,
 ``:no-rows`` the embedding row path (``GraftedRows``); e.g. ``none:no-rows``.
@@ -38,7 +39,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-import peft_graft.layer as graft_layer
+import peft_graft.tuner.layer as graft_layer
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 
 MODELS = {"roberta-base-random": (4, 32), "all-MiniLM-L6-v2": (32, 64)}
@@ -91,11 +92,12 @@ def plain_trainer(model: torch.nn.Module) -> Trainer:
     return Trainer(model=model, args=args)
 
 
-def parse_candidates(text: str) -> float | int | None:
+def search_space(text: str) -> dict[str, float | int]:
+    """``GraftConfig`` search-space fields of a variant: ``none`` (dense S), a fraction (float) or a count (int)."""
     text = text.split(":")[0]
     if text.lower() == "none":
-        return None
-    return float(text) if any(c in text for c in ".e") else int(text)
+        return {}
+    return {"search_fraction": float(text)} if any(c in text for c in ".e") else {"search_entries": int(text)}
 
 
 def use_variant(variant: str) -> None:
@@ -108,13 +110,9 @@ def use_variant(variant: str) -> None:
     graft_layer.GRAFT_EMBEDDING_ROWS = "no-rows" not in flags
 
 
-def mask_trainer(pre: torch.nn.Module, finetuned: torch.nn.Module, candidates: float | int | None) -> MaskTrainer:
+def mask_trainer(pre: torch.nn.Module, finetuned: torch.nn.Module, search: dict[str, float | int]) -> MaskTrainer:
     config = GraftConfig(
-        finetuned=finetuned,
-        sparsity=1e-4,
-        learn_region=True,
-        modules_to_save=["classifier"],
-        candidates=candidates,
+        finetuned=finetuned, sparsity=1e-4, learn_region=True, modules_to_save=["classifier"], **search
     )
     model = get_peft_model(pre, config)
     args = MaskTrainingArguments(output_dir="/tmp/bench_mask", report_to=[], use_cpu=True, mask_batch_size=None)
@@ -139,7 +137,7 @@ def time_all(name: str, repeats: int, variants: list[str]) -> dict[str, list[flo
     batch = batch_for(pre, name)
     trainers = {"plain": plain_trainer(copy.deepcopy(finetuned))}
     for variant in variants:
-        trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, parse_candidates(variant))
+        trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, search_space(variant))
     del finetuned, pre
     for key, trainer in trainers.items():
         use_variant(key)
@@ -163,7 +161,7 @@ def memory(name: str, variant: str, steps: int) -> dict:
     if variant == "plain":
         trainer = plain_trainer(pre)
     else:
-        trainer = mask_trainer(pre, fine_tuned_like(pre), parse_candidates(variant))
+        trainer = mask_trainer(pre, fine_tuned_like(pre), search_space(variant))
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     ready = rss_gb()
@@ -179,12 +177,12 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="roberta-base-random")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--candidates",
+        "--search",
         nargs="+",
         default=["none", "0.01"],
-        help="mask variants: none (dense S) or a candidates value, optionally with :keep and/or :no-rows",
+        help="mask variants: none (dense S), a search fraction or count, optionally with :keep and/or :no-rows",
     )
-    parser.add_argument("--memory", help="measure one variant's memory: plain or a candidates value (internal)")
+    parser.add_argument("--memory", help="measure one variant's memory: plain or a search variant (internal)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     hf_logging.set_verbosity_error()
@@ -193,16 +191,16 @@ def main() -> None:
         return
     size, length = MODELS[args.model]
     print(f"model={args.model} batch={size}x{length} threads=2 torch={torch.__version__} load={os.getloadavg()}")
-    times = time_all(args.model, args.repeats, args.candidates)
+    times = time_all(args.model, args.repeats, args.search)
     plain = statistics.median(times["plain"])
     print(f"step time (median of {args.repeats}, alternating): plain SGD {plain:.3f} s {fmt(times['plain'])}")
-    for variant in args.candidates:
+    for variant in args.search:
         median = statistics.median(times[variant])
-        print(f"  mask candidates={variant}: {median:.3f} s, ratio {median / plain:.2f}x {fmt(times[variant])}")
-    for variant in ["plain", *args.candidates]:
+        print(f"  mask search={variant}: {median:.3f} s, ratio {median / plain:.2f}x {fmt(times[variant])}")
+    for variant in ["plain", *args.search]:
         command = [sys.executable, __file__, "--model", args.model, "--memory", variant]
         out = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-        label = "plain" if variant == "plain" else f"mask candidates={variant}"
+        label = "plain" if variant == "plain" else f"mask search={variant}"
         print(
             f"{label}: RSS after loading the model {out['rss_after_load_gb']:.2f} GB, before the first step "
             f"{out['rss_ready_gb']:.2f} GB, peak over steps {out['peak_gb']:.2f} GB (+{out['added_gb']:.2f} GB)"

@@ -2,36 +2,67 @@
 
 ``import peft_graft`` registers the ``graft`` method with peft, so that ``get_peft_model``,
 ``PeftModel.from_pretrained``, ``AutoPeftModel*`` and transformers' ``load_adapter`` know it.
+
+The data flows one way through the sub-packages: ``scores`` (movement ``theta_ft - theta_pre``) -> ``regions`` (the
+:class:`Region` value type, selection, named strategies) -> ``tuner`` (the peft method: config, planning, layer,
+model) -> ``training`` (``MaskTrainer``, fine-tuning with penalties) -> ``analysis`` and ``calibration``.
 """
 
-from . import saving
-from .config import GraftConfig
-from .layer import GraftLayer
-from .model import GraftModel
-from .penalties import MovementL1Penalty, MovementL1Trainer
-from .regions import Region, global_top_k, random_region, top_k_movement
-from .registration import register
-from .stats import GraftStats
-from .trainer import MaskTrainer, MaskTrainingArguments
+from peft.utils import PeftType
+
+from ._peft_compat import register_peft_method, wrap_peft_model_method
+from .analysis import GraftStats
+from .regions import (
+    REGION_STRATEGIES,
+    Region,
+    RegionRequest,
+    global_top_k,
+    random_region,
+    register_region_strategy,
+    top_k_movement,
+)
+from .training import (
+    LossTerm,
+    LossTermsTrainer,
+    MaskTrainer,
+    MaskTrainingArguments,
+    MovementL1Penalty,
+    MovementL1Trainer,
+)
+from .tuner import GRAFT_NAME, GRAFT_PREFIX, GraftConfig, GraftLayer, GraftModel, RegionLearner
+from .tuner.persistence import PEFT_MODEL_WRAPPERS
 
 __version__ = "0.1.0"
 
+
+def register() -> PeftType:
+    """Register the ``graft`` method with peft (done on import; idempotent, also after ``importlib.reload``)."""
+    for method, make_wrapper in PEFT_MODEL_WRAPPERS.items():
+        wrap_peft_model_method(method, make_wrapper)
+    return register_peft_method(GRAFT_NAME, GraftConfig, GraftModel, GRAFT_PREFIX)
+
+
 PEFT_TYPE = register()
-saving.install()
 
 __all__ = [
     "PEFT_TYPE",
+    "REGION_STRATEGIES",
     "GraftConfig",
     "GraftLayer",
     "GraftModel",
     "GraftStats",
+    "LossTerm",
+    "LossTermsTrainer",
     "MaskTrainer",
     "MaskTrainingArguments",
     "MovementL1Penalty",
     "MovementL1Trainer",
     "Region",
+    "RegionLearner",
+    "RegionRequest",
     "global_top_k",
     "random_region",
     "register",
+    "register_region_strategy",
     "top_k_movement",
 ]

@@ -1,4 +1,4 @@
-"""Tiny random models built from configs (no download) and a synthetic "fine-tuning"."""
+"""pytest set-up: offline Hugging Face, quiet transformers, the graft method registered, the ``arch`` fixture."""
 
 from __future__ import annotations
 
@@ -7,101 +7,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported: it reads this once
 
 import pytest
-import torch
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    RobertaConfig,
-    RobertaForMaskedLM,
-    RobertaForSequenceClassification,
-)
+from testing_utils import ARCHITECTURES
 from transformers.utils import logging as hf_logging
 
 import peft_graft  # noqa: F401  (registers the graft method)
 
 hf_logging.set_verbosity_error()
-
-VOCAB = 99
-SMALL = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, max_position_embeddings=64)
-
-
-def make_bert_cls() -> BertForSequenceClassification:
-    return BertForSequenceClassification(BertConfig(vocab_size=VOCAB, hidden_size=32, num_labels=3, **SMALL))
-
-
-def make_roberta_cls() -> RobertaForSequenceClassification:
-    return RobertaForSequenceClassification(RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_labels=2, **SMALL))
-
-
-def make_roberta_mlm() -> RobertaForMaskedLM:
-    return RobertaForMaskedLM(RobertaConfig(vocab_size=VOCAB, hidden_size=32, **SMALL))
-
-
-def make_gpt2() -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=1, eos_token_id=2
-    )
-    return GPT2LMHeadModel(config)
-
-
-def make_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=37,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config)
-
-
-# name -> (factory, task_type, tied tensor groups expected)
-ARCHITECTURES = {
-    "bert_cls": (make_bert_cls, "SEQ_CLS"),
-    "roberta_cls": (make_roberta_cls, "SEQ_CLS"),
-    "roberta_mlm": (make_roberta_mlm, None),
-    "gpt2": (make_gpt2, "CAUSAL_LM"),
-    "llama": (make_llama, "CAUSAL_LM"),
-}
-
-
-def finetune_like(model: torch.nn.Module, scale: float = 0.01, seed: int = 1, skip: str | None = None):
-    """A copy of ``model`` with every parameter moved by seeded noise (a stand-in for fine-tuning)."""
-    generator = torch.Generator().manual_seed(seed)
-    finetuned = type(model)(model.config).to(next(model.parameters()).dtype)
-    finetuned.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for name, param in finetuned.named_parameters():
-            if skip is None or skip not in name:
-                param.add_(torch.randn(param.shape, generator=generator) * scale)
-    return finetuned.eval()
-
-
-def make_pair(arch: str, seed: int = 0, skip: str | None = None):
-    """``(pre, finetuned, task_type)``: a tiny pre-trained model and its "fine-tuned" copy."""
-    factory, task_type = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
-    pre = factory().eval()
-    return pre, finetune_like(pre, skip=skip), task_type
-
-
-def clone_model(model: torch.nn.Module) -> torch.nn.Module:
-    copy = type(model)(model.config).to(next(model.parameters()).dtype)
-    copy.load_state_dict(model.state_dict())
-    return copy.eval()
-
-
-def input_ids(batch: int = 2, length: int = 9, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(params=list(ARCHITECTURES))

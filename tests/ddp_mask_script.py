@@ -1,7 +1,7 @@
 """Mask training run by tests/test_mask_trainer_ddp.py, in 1 process or under ``torchrun --nproc_per_node 2``.
 
 Usage: python tests/ddp_mask_script.py OUTPUT_DIR [CANDIDATES]. Writes OUTPUT_DIR/checkpoint-2 (the sparse graft and
-S) and OUTPUT_DIR/final (the hardened graft). CANDIDATES: ``GraftConfig.candidates`` (default: dense S).
+S) and OUTPUT_DIR/final (the hardened graft). SEARCH_FRACTION: ``GraftConfig.search_fraction`` (default: dense S).
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-from conftest import VOCAB, clone_model, make_pair
 from datasets import Dataset
 from peft import get_peft_model
+from testing_utils import VOCAB, clone_model, make_pair
 from torch import nn
 
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
 
 
-def main(output_dir: str, candidates: float | None) -> None:
+def main(output_dir: str, search_fraction: float | None) -> None:
     torch.set_num_threads(1)
     pre, finetuned, task_type = make_pair("roberta_cls")
     config = GraftConfig(
-        finetuned=finetuned, region="empty", learn_region=True, task_type=task_type, candidates=candidates
+        finetuned=finetuned, region="empty", learn_region=True, task_type=task_type, search_fraction=search_fraction
     )
     model = get_peft_model(clone_model(pre), config)
     for module in model.modules():
@@ -49,7 +49,7 @@ def main(output_dir: str, candidates: float | None) -> None:
     )
     trainer = MaskTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
-    assert not any(isinstance(m, GraftLayer) and m.is_training_region("default") for m in model.modules())
+    assert not any(isinstance(m, GraftLayer) and m.is_learning("default") for m in model.modules())
     trainer.save_model(os.path.join(output_dir, "final"))
     if trainer.is_world_process_zero():
         print(f"world_size={args.world_size} accumulation={args.gradient_accumulation_steps} {trainer.mask_report}")

@@ -5,13 +5,18 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import make_bert_cls
 from datasets import Dataset
 from matplotlib.image import imread
+from testing_utils import make_bert_cls
 from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
+from peft_graft.calibration.callbacks import (
+    CalibrationCallback,
+    CalibrationMetrics,
+    _metric_prefix,
+    make_compute_metrics,
+)
 from peft_graft.calibration.metrics import calibration_report, f1_score
-from peft_graft.calibration.trainer import CalibrationCallback, CalibrationMetrics, _metric_prefix, make_compute_metrics
 
 NUM_LABELS = 3
 
@@ -54,7 +59,7 @@ def test_trainer_multi_eval_sets_metrics_and_pngs(model, datasets_, tmp_path, ca
     compute_metrics = make_compute_metrics(n_bins=5, f1_average="macro")
     callback = CalibrationCallback(compute_metrics, size_px=(320, 240), dpi=80)
     trainer = Trainer(model=model, args=_args(tmp_path), compute_metrics=compute_metrics, callbacks=[callback])
-    with caplog.at_level(logging.INFO, logger="peft_graft.calibration.trainer"):
+    with caplog.at_level(logging.INFO, logger="peft_graft.calibration.callbacks"):
         metrics = trainer.evaluate(eval_dataset=datasets_)
 
     for name, ds in datasets_.items():
@@ -144,7 +149,7 @@ def test_callback_skips_evaluations_it_cannot_match(tmp_path, caplog):
     args, state, control = _args(tmp_path), TrainerState(), TrainerControl()
     callback.on_evaluate(args, state, control, metrics={"eval_loss": 1.0})  # compute_metrics did not run
     compute_metrics((np.array([[0.9, 0.1]]), np.array([0])))
-    with caplog.at_level(logging.WARNING, logger="peft_graft.calibration.trainer"):
+    with caplog.at_level(logging.WARNING, logger="peft_graft.calibration.callbacks"):
         callback.on_evaluate(args, state, control, metrics={"eval_loss": 1.0})  # ... or its keys are missing
     assert "lack ['ece']" in caplog.text
     assert callback.history == [] and not list(tmp_path.iterdir())
@@ -177,8 +182,8 @@ def test_calibration_table_from_trainers(model, datasets_, tmp_path):
 
 
 def test_callback_with_mask_trainer(datasets_, tmp_path):
-    from conftest import clone_model, make_pair
     from peft import get_peft_model
+    from testing_utils import clone_model, make_pair
 
     from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import clone_model, input_ids, make_bert_cls, make_pair
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
+from testing_utils import clone_model, input_ids, make_bert_cls, make_pair
 
 from peft_graft import GraftConfig
 

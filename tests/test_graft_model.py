@@ -8,7 +8,6 @@ import struct
 
 import pytest
 import torch
-from conftest import clone_model, finetune_like, input_ids, make_pair
 from peft import (
     AutoPeftModelForCausalLM,
     AutoPeftModelForSequenceClassification,
@@ -20,6 +19,7 @@ from peft import (
     set_peft_model_state_dict,
 )
 from safetensors.torch import load_file
+from testing_utils import clone_model, finetune_like, input_ids, make_pair
 
 from peft_graft import GraftConfig, GraftLayer, Region
 
@@ -375,16 +375,16 @@ def test_learnable_state_rounds_to_gamma_base_and_hardens_exactly(tmp_path):
     )
     base = brute_force_top_k(pre, finetuned, eligible(pre, task_type), 50)
     assert model.get_region() == base  # sigmoid(S) ~ 0: gamma rounds to gamma_base
-    layers = [m for m in model.modules() if isinstance(m, GraftLayer) and m.is_training_region("default")]
-    assert layers and all(torch.all(m.graft_scores["default"] == -10.0) for m in layers)
+    layers = [m for m in model.modules() if isinstance(m, GraftLayer) and m.is_learning("default")]
+    assert layers and all(torch.all(m.learner("default").scores == -10.0) for m in layers)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert any("graft_scores" in n for n in trainable)
+    assert any("graft_learning" in n for n in trainable)
 
     # Flip 3 entries outside gamma_base on: round(gamma) grows by 3, and saving writes that hard region.
     layer = layers[0]
-    outside = (~torch.isin(torch.arange(layer.num_stored), layer.graft_base_region["default"])).nonzero()[:3, 0]
+    outside = (~torch.isin(torch.arange(layer.num_stored), layer.learner("default").base_region)).nonzero()[:3, 0]
     with torch.no_grad():
-        layer.graft_scores["default"][outside] = 5.0
+        layer.learner("default").scores[outside] = 5.0
     assert model.get_region().num_entries == 53
     model.save_pretrained(tmp_path / "g")
     saved = load_file(tmp_path / "g" / "adapter_model.safetensors")
@@ -394,7 +394,7 @@ def test_learnable_state_rounds_to_gamma_base_and_hardens_exactly(tmp_path):
     assert loaded.get_region() == model.get_region()
 
     assert model.harden_region(num_entries=51) == 51
-    assert not any(m.is_training_region("default") for m in layers)
+    assert not any(m.is_learning("default") for m in layers)
     assert model.get_region().num_entries == 51
 
 
@@ -449,7 +449,7 @@ def test_include_and_exclude_parameter_filters():
     ],
 )
 def test_module_type_and_layer_of_parameter_names(name, kind, layer):
-    from peft_graft.stats import layer_index, module_type
+    from peft_graft.analysis.stats import layer_index, module_type
 
     assert module_type(name) == kind
     assert layer_index(name) == layer

@@ -9,9 +9,9 @@ import peft.peft_model
 import pytest
 import torch
 import yaml
-from conftest import clone_model, finetune_like, input_ids, make_pair
 from huggingface_hub import HfApi
 from peft import PeftModel, get_peft_model
+from testing_utils import clone_model, finetune_like, input_ids, make_pair
 
 from peft_graft import GraftConfig
 

@@ -1,4 +1,4 @@
-"""MaskTrainer: paper Eq. 3-4 mask training as a transformers Trainer (issue 3)."""
+"""MaskTrainer: paper Eq. 3-4 mask training as a transformers Trainer."""
 
 from __future__ import annotations
 
@@ -7,52 +7,15 @@ import logging
 
 import pytest
 import torch
-from conftest import VOCAB, clone_model, make_pair
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
+from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, learning_graft, make_pair, scores
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-import peft_graft.layer as graft_layer
-from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
-
-
-def fast_args(tmp_path, **kwargs) -> MaskTrainingArguments:
-    defaults = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to=[],
-        disable_tqdm=True,
-        save_strategy="no",
-        use_cpu=True,
-        dataloader_pin_memory=False,
-        seed=0,
-    )
-    return MaskTrainingArguments(**{**defaults, **kwargs})
-
-
-def cls_dataset(n: int = 16, length: int = 9, seed: int = 0) -> Dataset:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (n, length), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
-
-
-def learning_graft(arch: str = "roberta_cls", **config):
-    """A tiny graft learning its region; dropout off, so that differently split batches give the same step."""
-    pre, finetuned, task_type = make_pair(arch)
-    config = {"num_entries": 20, "learn_region": True, "task_type": task_type, **config}
-    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, **config))
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    return pre, model
-
-
-def scores(model) -> dict[str, torch.Tensor]:
-    return {
-        n: m.graft_scores["default"].detach().clone()
-        for n, m in model.named_modules()
-        if isinstance(m, GraftLayer) and m.is_training_region("default")
-    }
+import peft_graft.tuner.layer as graft_layer
+from peft_graft import GraftConfig, GraftLayer, MaskTrainer
+from peft_graft.tuner import autograd
 
 
 # ------------------------------------------------------------------------------------------ planted skill
@@ -112,6 +75,73 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
     assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
 
 
+def _probe_task(seed: int = 0, planted: int = 4):
+    """A probe whose fine-tuning planted ``planted`` entries that solve the task, plus noise everywhere else."""
+    torch.manual_seed(seed)
+    d, n = 64, 512
+    pre = Probe(d)
+    with torch.no_grad():
+        pre.fc.weight.mul_(0.1)
+        pre.fc.bias.zero_()
+    x = torch.randn(n, d)
+    labels = (x[:, :planted].sum(1) > 0).long()
+    finetuned = copy.deepcopy(pre)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        finetuned.fc.weight[0, :planted] += 3.0
+        finetuned.fc.weight[0, planted:] += torch.randn(d - planted, generator=noise) * 2.0
+        finetuned.fc.bias += torch.randn(1, generator=noise) * 2.0
+    return pre, finetuned, x, labels
+
+
+def _accuracy(p):
+    return {"accuracy": float(((p.predictions > 0) == p.label_ids).mean())}
+
+
+@pytest.mark.parametrize("keep_best_mask", [True, False])
+def test_a_run_never_ends_worse_than_its_starting_mask(tmp_path, keep_best_mask):
+    """gamma_base solves the task; training on flipped labels moves the mask away from it. With keep_best_mask the
+    starting mask is a candidate, so the run returns it; without, the last (worse) mask."""
+    pre, finetuned, x, labels = _probe_task()
+    masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
+    config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
+    model = get_peft_model(copy.deepcopy(pre), config)
+    start = model.get_region()
+    flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
+    correct = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
+    args = fast_args(
+        tmp_path, per_device_train_batch_size=512, max_steps=4, learning_rate=1e4, num_entries=4,
+        remove_unused_columns=False, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
+        keep_best_mask=keep_best_mask,
+    )  # fmt: skip
+    trainer = MaskTrainer(
+        model=model, args=args, train_dataset=flipped, eval_dataset=correct, compute_metrics=_accuracy
+    )
+    before = trainer.evaluate()["eval_accuracy"]
+    trainer.train()
+    after = trainer.evaluate()["eval_accuracy"]
+    if keep_best_mask:
+        assert model.get_region() == start and after == before and trainer.mask_report["selected_step"] == 0
+    else:
+        assert model.get_region() != start and after < before
+
+
+def test_keep_best_mask_selects_a_learned_mask_when_it_is_better(tmp_path):
+    pre, finetuned, x, labels = _probe_task()
+    config = GraftConfig(finetuned=finetuned, num_entries=4, learn_region=True)  # gamma_base: top-4 by noise
+    model = get_peft_model(copy.deepcopy(pre), config)
+    data = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
+    args = fast_args(
+        tmp_path, per_device_train_batch_size=512, max_steps=10, learning_rate=1e4, num_entries=4,
+        remove_unused_columns=False, eval_strategy="steps", eval_steps=2, metric_for_best_model="accuracy",
+    )  # fmt: skip
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, compute_metrics=_accuracy)
+    before = trainer.evaluate()["eval_accuracy"]
+    trainer.train()
+    assert trainer.mask_report["selected_step"] > 0 and trainer.evaluate()["eval_accuracy"] > before
+    assert model.get_region().num_entries == 4
+
+
 # ------------------------------------------------------------------------------------------ gradient
 def _reference_grafted(scores, movement, base, offsets, recomputing, *thetas):
     """Eq. 4 with plain autograd ops (the dense formula the custom autograd Function replaces)."""
@@ -127,8 +157,8 @@ def test_score_gradient_matches_autograd_reference(arch, monkeypatch):
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():  # scores spread over sigmoid's range, so that both branches of Eq. 4 matter
         for layer in model.modules():
-            if isinstance(layer, GraftLayer) and layer.is_training_region("default"):
-                s = layer.graft_scores["default"]
+            if isinstance(layer, GraftLayer) and layer.is_learning("default"):
+                s = layer.learner("default").scores
                 s.copy_(torch.randn(s.shape, generator=generator) * 3)
     ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
     labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
@@ -136,10 +166,10 @@ def test_score_gradient_matches_autograd_reference(arch, monkeypatch):
     def grads():
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=labels).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "graft_learning" in n}
 
     ours = grads()
-    monkeypatch.setattr(graft_layer.GraftedTensors, "apply", _reference_grafted)
+    monkeypatch.setattr(autograd.GraftedTensors, "apply", _reference_grafted)
     monkeypatch.setattr(graft_layer, "GRAFT_EMBEDDING_ROWS", False)  # embeddings through the reference too
     reference = grads()
     assert ours.keys() == reference.keys() and ours
@@ -147,30 +177,30 @@ def test_score_gradient_matches_autograd_reference(arch, monkeypatch):
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-9)
 
 
-@pytest.mark.parametrize("candidates", [None, 0.3])
+@pytest.mark.parametrize("search_fraction", [None, 0.3])
 @pytest.mark.parametrize("arch", ["roberta_cls", "roberta_mlm", "gpt2", "llama"])
-def test_embedding_lookups_graft_only_the_rows_a_batch_uses(arch, candidates, monkeypatch):
+def test_embedding_lookups_graft_only_the_rows_a_batch_uses(arch, search_fraction, monkeypatch):
     """``GraftedRows`` (padding row, tied matrices, gamma_base flips) gives the whole-matrix values and gradients."""
-    _, model = learning_graft(arch, num_entries=300, candidates=candidates)
+    _, model = learning_graft(arch, num_entries=300, search_fraction=search_fraction)
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for layer in model.modules():
-            if isinstance(layer, GraftLayer) and layer.is_training_region("default"):
-                layer.graft_scores["default"].copy_(
-                    torch.randn(layer.graft_scores["default"].shape, generator=generator)
+            if isinstance(layer, GraftLayer) and layer.is_learning("default"):
+                layer.learner("default").scores.copy_(
+                    torch.randn(layer.learner("default").scores.shape, generator=generator)
                 )
     ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
     ids[:, -2:] = model.config.pad_token_id or 0  # RoBERTa: the embeddings' padding_idx, whose row gets no gradient
     labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
     calls = []
-    apply = graft_layer.GraftedRows.apply
-    monkeypatch.setattr(graft_layer.GraftedRows, "apply", lambda *a: calls.append(int(a[-1].sum())) or apply(*a))
+    apply = autograd.GraftedRows.apply
+    monkeypatch.setattr(autograd.GraftedRows, "apply", lambda *a: calls.append(int(a[-1].sum())) or apply(*a))
 
     def run():
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=labels)
         out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n and p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "graft_learning" in n and p.grad is not None}
         return out.logits.detach(), grads
 
     logits, grads = run()
@@ -207,10 +237,10 @@ def test_hard_mask_evaluation_equals_the_saved_graft(tmp_path):
     data = cls_dataset(16)
     args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e6)
     trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
-    layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.is_training_region("default"))
+    layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.is_learning("default"))
     with torch.no_grad():
-        layer.graft_scores["default"][:5] = 1.0  # 5 entries in round(gamma), the rest soft but far from 0.5
-        layer.graft_scores["default"][5:40] = -0.5
+        layer.learner("default").scores[:5] = 1.0  # 5 entries in round(gamma), the rest soft but far from 0.5
+        layer.learner("default").scores[5:40] = -0.5
     predicted = trainer.predict(data).predictions
     trainer.save_model(str(tmp_path / "mid"))
     loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "mid").eval()
@@ -222,7 +252,7 @@ def test_hard_mask_evaluation_equals_the_saved_graft(tmp_path):
     assert not torch.allclose(soft, expected)  # the soft gamma differs: evaluation really used the hard mask
 
     trainer.train()
-    assert not any(isinstance(m, GraftLayer) and m.is_training_region("default") for m in model.modules())
+    assert not any(isinstance(m, GraftLayer) and m.is_learning("default") for m in model.modules())
     trainer.save_model(str(tmp_path / "final"))
     assert not (tmp_path / "final" / "graft_scores.safetensors").exists()  # only the sparse graft
     loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "final").eval()
@@ -252,7 +282,7 @@ def test_exact_budget_logging_and_best_mask(tmp_path, caplog):
         num_entries=7,
     )
     trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
-    with caplog.at_level(logging.INFO, logger="peft_graft.trainer"):
+    with caplog.at_level(logging.INFO, logger="peft_graft.training.mask"):
         trainer.train()
     assert model.get_region().num_entries == 7
     assert trainer.mask_report["grafted_entries"] == 7 and trainer.mask_report["grafted_entries_rounded"] >= 1
@@ -267,11 +297,12 @@ def test_exact_budget_logging_and_best_mask(tmp_path, caplog):
     assert "by round(gamma), 7 kept" in caplog.text
 
 
-def test_resume_from_checkpoint_ends_with_the_same_mask(tmp_path):
+@pytest.mark.parametrize("search", [{}, {"search_entries": 30}], ids=["dense", "search_space"])
+def test_resume_from_checkpoint_ends_with_the_same_mask(tmp_path, search):
     data = cls_dataset(16)
 
-    def run(output_dir, max_steps, resume=None):
-        _, model = learning_graft(region="empty")
+    def run(output_dir, max_steps, resume=None, search=search):
+        _, model = learning_graft(region="empty", **search)
         args = fast_args(
             tmp_path,
             output_dir=str(output_dir),
@@ -291,6 +322,14 @@ def test_resume_from_checkpoint_ends_with_the_same_mask(tmp_path):
     resumed, trainer = run(tmp_path / "resumed", 4, resume=str(tmp_path / "interrupted" / "checkpoint-2"))
     assert trainer.state.global_step == 4
     assert full.num_entries > 0 and resumed == full
+    if search:  # scores of another search space do not fit
+        with pytest.raises(ValueError, match="same GraftConfig"):
+            run(
+                tmp_path / "other",
+                4,
+                resume=str(tmp_path / "interrupted" / "checkpoint-2"),
+                search={"search_entries": 31},
+            )
 
 
 # ------------------------------------------------------------------------------------------ heads
@@ -348,12 +387,49 @@ def test_bad_input_gives_clear_errors(tmp_path):
     unlabeled = Dataset.from_dict({"input_ids": data["input_ids"]})
     with pytest.raises(ValueError, match="no labels"):
         MaskTrainer(model=model, args=args, train_dataset=unlabeled).train()
-    assert any(m.is_training_region("default") for m in model.modules() if isinstance(m, GraftLayer))  # nothing lost
+    assert any(m.is_learning("default") for m in model.modules() if isinstance(m, GraftLayer))  # nothing lost
 
 
 def test_uneven_global_batch_warns(tmp_path, caplog):
     _, model = learning_graft()
-    with caplog.at_level(logging.WARNING, logger="peft_graft.trainer"):
+    with caplog.at_level(logging.WARNING, logger="peft_graft.training.mask"):
         args = fast_args(tmp_path, per_device_train_batch_size=4, max_steps=1)
         MaskTrainer(model=model, args=args, train_dataset=cls_dataset(10))
     assert "not a multiple" in caplog.text and args.gradient_accumulation_steps == 3
+
+
+@pytest.mark.parametrize("mask_dropout", [False, True])
+def test_mask_training_runs_with_dropout_off_by_default(tmp_path, mask_dropout):
+    """With the default, a step equals the step of the same model with every dropout probability set to 0."""
+    data = cls_dataset(16)
+    learned = []
+    for dropout in (0.1, 0.0):
+        pre, finetuned, task_type = make_pair("roberta_cls")
+        config = GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type)
+        model = get_peft_model(clone_model(pre), config)
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = dropout
+        args = fast_args(tmp_path, max_steps=1, learning_rate=1e3, mask_dropout=mask_dropout)
+        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+        trainer.train = Trainer.train.__get__(trainer)  # keep the soft state to compare S
+        trainer.train()
+        learned.append(scores(model))
+    same = all(torch.equal(learned[0][name], learned[1][name]) for name in learned[0])
+    assert same is not mask_dropout
+
+
+def test_uniform_score_start_is_seeded_and_in_range():
+    def start(**config):
+        _, model = learning_graft(score_init=-10.0, **config)
+        return scores(model)
+
+    uniform = start(score_init_width=1.0)
+    assert all(bool(((s >= -10.0) & (s < -9.0)).all()) and s.unique().numel() > 1 for s in uniform.values())
+    again, other = start(score_init_width=1.0), start(score_init_width=1.0, seed=1)
+    assert all(torch.equal(uniform[n], again[n]) for n in uniform)
+    assert not all(torch.equal(uniform[n], other[n]) for n in uniform)
+    assert all(bool((s == -10.0).all()) for s in start().values())  # the default: a constant start
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="score_init_width"):
+            GraftConfig(score_init_width=bad)

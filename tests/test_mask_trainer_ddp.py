@@ -22,9 +22,9 @@ def run(command: list[str], cwd) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("candidates", [None, 0.3], ids=["dense", "candidates"])
-def test_two_processes_learn_the_same_mask_as_one(tmp_path, candidates):
-    extra = [] if candidates is None else [str(candidates)]
+@pytest.mark.parametrize("search_fraction", [None, 0.3], ids=["dense", "search_space"])
+def test_two_processes_learn_the_same_mask_as_one(tmp_path, search_fraction):
+    extra = [] if search_fraction is None else [str(search_fraction)]
     single = run([sys.executable, SCRIPT, str(tmp_path / "one"), *extra], tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     double = run([*torchrun, SCRIPT, str(tmp_path / "two"), *extra], tmp_path)

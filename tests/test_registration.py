@@ -12,11 +12,11 @@ from peft.utils import PeftType
 
 import peft_graft
 from peft_graft import GraftConfig, GraftModel
-from peft_graft.registration import extend_peft_type
+from peft_graft._peft_compat import extend_peft_type
 
 
 def test_peft_enum_internals_we_rely_on_are_still_there():
-    # If this fails, peft changed how PeftType stores its members: update peft_graft/registration.py.
+    # If this fails, peft changed how PeftType stores its members: update peft_graft/_peft_compat.py.
     assert isinstance(PeftType._member_map_, dict)
     assert isinstance(PeftType._value2member_map_, dict)
     assert isinstance(PeftType._member_names_, list)

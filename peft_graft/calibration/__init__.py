@@ -1,13 +1,14 @@
 """Calibration and out-of-distribution evaluation for fine-tuned models and their grafts.
 
 Functional core in :mod:`.metrics` (pure functions over logits/probabilities and labels), temperature scaling in
-:mod:`.temperature`, matplotlib figures in :mod:`.plots`, ``Trainer`` integration in :mod:`.trainer` and the
+:mod:`.temperature`, matplotlib figures in :mod:`.plots`, ``Trainer`` integration in :mod:`.callbacks` and the
 multi-model / multi-dataset table in :mod:`.table`. The ``evaluate`` module lives in ``peft_graft/metrics/calibration``:
 ``evaluate.load(EVALUATE_MODULE_PATH)``.
 """
 
 from pathlib import Path
 
+from .callbacks import CalibrationCallback, CalibrationMetrics, EvalSnapshot, make_compute_metrics
 from .metrics import (
     DEFAULT_N_BINS,
     PROB_SUM_ATOL,
@@ -29,7 +30,6 @@ from .metrics import (
 from .plots import confidence_histogram, reliability_diagram, save_figure
 from .table import DEFAULT_TABLE_METRICS, CalibrationTable, calibration_table, print_table
 from .temperature import TemperatureScaler, fit_temperature
-from .trainer import CalibrationCallback, CalibrationMetrics, EvalSnapshot, make_compute_metrics
 
 EVALUATE_MODULE_PATH = str(Path(__file__).resolve().parent.parent / "metrics" / "calibration")
 """Directory of the ``evaluate`` metric module (ECE and friends): ``evaluate.load(EVALUATE_MODULE_PATH)``."""

@@ -1,4 +1,5 @@
-"""MaskTrainer with ``GraftConfig(candidates=...)``: S learned on the top-c movement entries plus gamma_base only."""
+"""MaskTrainer with a search space (``GraftConfig(search_fraction=...)``/``search_entries``): S learned on the top
+movement entries plus gamma_base only."""
 
 from __future__ import annotations
 
@@ -6,19 +7,18 @@ import weakref
 
 import pytest
 import torch
-from conftest import VOCAB, clone_model, make_pair
 from peft import PeftModel, get_peft_model
-from test_mask_trainer import cls_dataset, fast_args, learning_graft, scores
+from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, learning_graft, make_pair, scores
 from torch import nn
 from transformers import Trainer
 
-import peft_graft.layer as graft_layer
-import peft_graft.soft as soft
+import peft_graft.tuner.layer as graft_layer
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer
+from peft_graft.tuner import autograd
 
 
 def learning_layers(model) -> dict[str, GraftLayer]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, GraftLayer) and m.is_training_region("default")}
+    return {n: m for n, m in model.named_modules() if isinstance(m, GraftLayer) and m.is_learning("default")}
 
 
 def soft_train(model, tmp_path, steps: int = 2, **kwargs) -> MaskTrainer:
@@ -32,15 +32,17 @@ def soft_train(model, tmp_path, steps: int = 2, **kwargs) -> MaskTrainer:
 
 def test_candidates_covering_every_eligible_entry_equal_the_dense_default(tmp_path):
     _, dense = learning_graft(region="movement", num_entries=20)
-    _, capped = learning_graft(region="movement", num_entries=20, candidates=1.0)
+    _, capped = learning_graft(region="movement", num_entries=20, search_fraction=1.0)
     soft_train(dense, tmp_path)
     soft_train(capped, tmp_path)
     dense_layers, capped_layers = learning_layers(dense), learning_layers(capped)
     assert capped_layers.keys() == dense_layers.keys()
     for name, layer in capped_layers.items():
-        candidates = layer.graft_candidates["default"]
-        dense_scores = dense_layers[name].graft_scores["default"].detach()
-        torch.testing.assert_close(layer.graft_scores["default"].detach(), dense_scores[candidates], rtol=1e-5, atol=0)
+        candidates = layer.learner("default").search_indices
+        dense_scores = dense_layers[name].learner("default").scores.detach()
+        torch.testing.assert_close(
+            layer.learner("default").scores.detach(), dense_scores[candidates], rtol=1e-5, atol=0
+        )
         outside = torch.ones_like(dense_scores, dtype=torch.bool)
         outside[candidates] = False
         assert bool((dense_scores[outside] == -10.0).all())  # what the cap leaves out never moved (no movement there)
@@ -52,18 +54,18 @@ def test_candidates_covering_every_eligible_entry_equal_the_dense_default(tmp_pa
 
 def test_small_cap_keeps_state_on_the_top_movement_candidates_only():
     _, dense = learning_graft(region="movement", num_entries=20)
-    _, capped = learning_graft(region="movement", num_entries=20, candidates=50)
-    _, empty = learning_graft(region="empty", candidates=0.01)
-    eligible = sum(int(layer.graft_movement["default"].numel()) for layer in learning_layers(dense).values())
+    _, capped = learning_graft(region="movement", num_entries=20, search_entries=50)
+    _, empty = learning_graft(region="empty", search_fraction=0.01)
+    eligible = sum(int(layer.learner("default").movement.numel()) for layer in learning_layers(dense).values())
     assert sum(s.numel() for s in scores(empty).values()) == round(0.01 * eligible)
     assert sum(s.numel() for s in scores(capped).values()) == 50  # gamma_base (top-20 movement) lies in the top-50
     dense_layers = learning_layers(dense)
     smallest_candidate, largest_other = float("inf"), 0.0
     for name, layer in learning_layers(capped).items():
-        candidates = layer.graft_candidates["default"]
-        assert layer.graft_scores["default"].shape == layer.graft_movement["default"].shape == candidates.shape
-        movement = dense_layers[name].graft_movement["default"]
-        torch.testing.assert_close(layer.graft_movement["default"], movement[candidates], rtol=0, atol=0)
+        candidates = layer.learner("default").search_indices
+        assert layer.learner("default").scores.shape == layer.learner("default").movement.shape == candidates.shape
+        movement = dense_layers[name].learner("default").movement
+        torch.testing.assert_close(layer.learner("default").movement, movement[candidates], rtol=0, atol=0)
         outside = torch.ones_like(movement, dtype=torch.bool)
         outside[candidates] = False
         smallest_candidate = min(smallest_candidate, float(movement[candidates].abs().min()))
@@ -85,11 +87,11 @@ def _reference_candidates(scores, movement, base, parts, pool, *thetas):
 
 @pytest.mark.parametrize("arch", ["roberta_cls", "gpt2"])
 def test_candidate_score_gradient_matches_autograd_reference(arch, monkeypatch):
-    _, model = learning_graft(arch, candidates=0.05)
+    _, model = learning_graft(arch, search_fraction=0.05)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():  # both branches of Eq. 4 matter
         for layer in learning_layers(model).values():
-            s = layer.graft_scores["default"]
+            s = layer.learner("default").scores
             s.copy_(torch.randn(s.shape, generator=generator) * 3)
     ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
     labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
@@ -98,10 +100,10 @@ def test_candidate_score_gradient_matches_autograd_reference(arch, monkeypatch):
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "graft_learning" in n}
 
     loss, ours = run()
-    monkeypatch.setattr(graft_layer.GraftedCandidates, "apply", _reference_candidates)
+    monkeypatch.setattr(autograd.GraftedSearchSpace, "apply", _reference_candidates)
     reference_loss, reference = run()
     torch.testing.assert_close(loss, reference_loss)
     assert ours.keys() == reference.keys() and ours
@@ -111,21 +113,22 @@ def test_candidate_score_gradient_matches_autograd_reference(arch, monkeypatch):
 
 
 def test_cap_hardening_exact_budget_saving_and_evaluation(tmp_path):
-    pre, model = learning_graft(region="empty", candidates=40)
+    pre, model = learning_graft(region="empty", search_entries=40)
     data = cls_dataset(16)
     args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e9, num_entries=7)
     trainer = MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
     candidates = set()
     for layer in learning_layers(model).values():
-        candidates |= {(id(layer), i) for i in layer.graft_candidates["default"].tolist()}
+        candidates |= {(id(layer), i) for i in layer.learner("default").search_indices.tolist()}
     layer = next(iter(learning_layers(model).values()))
     with torch.no_grad():
-        layer.graft_scores["default"][:3] = 1.0  # round(gamma) = these 3 candidates
+        layer.learner("default").scores[:3] = 1.0  # round(gamma) = these 3 candidates
     assert trainer.num_grafted_entries() == 3
-    predicted = trainer.predict(data).predictions  # hard mask
-    trainer.save_model(str(tmp_path / "mid"))  # a learning adapter is saved rounded
+    predicted = trainer.predict(data).predictions  # the hard mask it would keep: the exact budget of 7
+    trainer.save_model(str(tmp_path / "mid"))  # saved as that same hard mask
     loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "mid").eval()
-    assert loaded.get_region().num_entries == 3 and loaded.get_region() == model.get_region()
+    kept = {m: set(idx.tolist()) for m, (idx, _) in trainer.kept_entries().items()}
+    assert loaded.get_region().num_entries == 7 and sum(map(len, kept.values())) == 7
     with torch.no_grad():
         expected = loaded(input_ids=torch.tensor(data["input_ids"])).logits
     torch.testing.assert_close(torch.as_tensor(predicted), expected)
@@ -140,47 +143,29 @@ def test_cap_hardening_exact_budget_saving_and_evaluation(tmp_path):
     assert loaded.get_region() == model.get_region()
 
 
-def test_cap_resume_from_checkpoint_ends_with_the_same_mask(tmp_path):
-    data = cls_dataset(16)
-
-    def run(output_dir, max_steps, resume=None, candidates=30):
-        _, model = learning_graft(region="empty", candidates=candidates)
-        args = fast_args(
-            tmp_path,
-            output_dir=str(output_dir),
-            per_device_train_batch_size=8,
-            max_steps=max_steps,
-            learning_rate=1e9,
-            save_strategy="steps",
-            save_steps=2,
-        )
-        trainer = MaskTrainer(model=model, args=args, train_dataset=data)
-        trainer.train(resume_from_checkpoint=resume)
-        return model.get_region(), trainer
-
-    full, _ = run(tmp_path / "full", 4)
-    run(tmp_path / "interrupted", 2)
-    resumed, trainer = run(tmp_path / "resumed", 4, resume=str(tmp_path / "interrupted" / "checkpoint-2"))
-    assert trainer.state.global_step == 4 and full.num_entries > 0 and resumed == full
-    with pytest.raises(ValueError, match="same GraftConfig"):
-        run(tmp_path / "other", 4, resume=str(tmp_path / "interrupted" / "checkpoint-2"), candidates=31)
-
-
-def test_bad_candidates_give_clear_errors():
+def test_bad_search_spaces_give_clear_errors():
     pre, finetuned, _ = make_pair("roberta_cls")
-    for bad in (0, -3, 0.0, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="candidates"):
-            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=bad)
-    for bad in ("1%", True, [10]):
-        with pytest.raises(TypeError, match="candidates"):
-            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=bad)
+    for bad in (0.0, 1.5, float("nan"), -0.1):
+        with pytest.raises(ValueError, match="search_fraction"):
+            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, search_fraction=bad)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="search_entries"):
+            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, search_entries=bad)
+    for field, bad in (
+        ("search_fraction", "1%"),
+        ("search_fraction", True),
+        ("search_entries", 2.5),
+        ("search_entries", [10]),
+    ):
+        with pytest.raises(TypeError, match=field):
+            GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, **{field: bad})
     with pytest.raises(ValueError, match="learn_region=True"):
-        GraftConfig(finetuned=finetuned, num_entries=5, candidates=10)
-    with pytest.raises(ValueError, match="candidates=10000000 exceeds"):
-        config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=10_000_000)
+        GraftConfig(finetuned=finetuned, num_entries=5, search_entries=10)
+    with pytest.raises(ValueError, match="search_entries=10000000 asks for"):
+        config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, search_entries=10_000_000)
         get_peft_model(clone_model(pre), config)
-    with pytest.raises(ValueError, match="rounds to 0"):
-        config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, candidates=1e-9)
+    with pytest.raises(ValueError, match=r"search_fraction=1e-09 .*rounds to 0"):
+        config = GraftConfig(finetuned=finetuned, num_entries=5, learn_region=True, search_fraction=1e-9)
         get_peft_model(clone_model(pre), config)
 
 
@@ -192,7 +177,7 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for layer in learning_layers(model).values():
-            s = layer.graft_scores["default"]
+            s = layer.learner("default").scores
             s.copy_(torch.randn(s.shape, generator=generator) * 3)
     ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
     labels = torch.tensor([0, 1]) if arch == "roberta_cls" else ids
@@ -213,11 +198,11 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
         loss = model(input_ids=ids, labels=labels).loss
         alive = sum(ref() is not None for ref in made)
         loss.backward()
-        return alive, {n: p.grad.clone() for n, p in model.named_parameters() if "graft_scores" in n}
+        return alive, {n: p.grad.clone() for n, p in model.named_parameters() if "graft_learning" in n}
 
     taken = []
-    take = soft.RECOMPUTED_SIGMOID.take
-    monkeypatch.setattr(soft.RECOMPUTED_SIGMOID, "take", lambda scores: taken.append(take(scores)) or taken[-1])
+    take = autograd.RECOMPUTED_SIGMOID.take
+    monkeypatch.setattr(autograd.RECOMPUTED_SIGMOID, "take", lambda scores: taken.append(take(scores)) or taken[-1])
     alive, ours = run()
     assert made and alive == 0
     hits = sum(t is not None for t in taken)
@@ -232,13 +217,13 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
 
 
 def test_candidate_outputs_are_reused_across_steps_only_once_released():
-    _, model = learning_graft("roberta_cls", candidates=0.05)
+    _, model = learning_graft("roberta_cls", search_fraction=0.05)
     model.train()
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
     labels = torch.tensor([0, 1])
     layers = learning_layers(model).values()
     layer = next(
-        m for m in layers if m.graft_candidates["default"].numel() and not isinstance(m.base_layer, nn.Embedding)
+        m for m in layers if m.learner("default").search_indices.numel() and not isinstance(m.base_layer, nn.Embedding)
     )
 
     def grads():
@@ -247,14 +232,14 @@ def test_candidate_outputs_are_reused_across_steps_only_once_released():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     first = grads()
-    pointers = [b.data_ptr() for b in layer._soft_buffers["default"].buffers.values()]
-    assert pointers and not layer._soft_buffers["default"].busy  # released by the backward
+    pointers = [b.data_ptr() for b in layer.learner("default")._pool.buffers.values()]
+    assert pointers and not layer.learner("default")._pool.busy  # released by the backward
     second = grads()
-    assert [b.data_ptr() for b in layer._soft_buffers["default"].buffers.values()] == pointers  # reused
+    assert [b.data_ptr() for b in layer.learner("default")._pool.buffers.values()] == pointers  # reused
     assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
 
     # A forward whose graph gets no backward keeps its buffers: later forwards use fresh tensors, still exact.
     model(input_ids=ids, labels=labels)
-    assert layer._soft_buffers["default"].busy
+    assert layer.learner("default")._pool.busy
     third = grads()
     assert all(torch.equal(first[n], third[n]) for n in first)

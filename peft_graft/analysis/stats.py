@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .layout import build_layout
-from .regions import Region
+from ..parameter_layout import build_layout
+from ..regions import Region
 
 # Ordered: the first matching rule names the module type of a parameter.
 MODULE_TYPE_RULES: tuple[tuple[str, re.Pattern], ...] = tuple(

@@ -1,4 +1,8 @@
-"""theta_ft -> movement ``theta_ft - theta_pre`` of every eligible tensor, checked."""
+"""Per-entry scores from two checkpoints: the movement ``theta_ft - theta_pre`` of every eligible tensor, checked.
+
+The movement is the paper's score for ``gamma_base`` (top-k of ``|theta_ft - theta_pre|``) and the ``delta`` a graft
+stores on its region.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import GraftConfig
-from .layout import Layout
+from ..parameter_layout import Layout
 
 
 def load_finetuned(source: object, base_model: nn.Module) -> Mapping[str, torch.Tensor]:
@@ -61,14 +64,23 @@ def is_saved_whole(name: str, modules_to_save: list[str] | None) -> bool:
     return any(module == m or module.endswith(f".{m}") or module.startswith(f"{m}.") for m in modules_to_save or ())
 
 
-def candidate_tensors(layout: Layout, config: GraftConfig) -> list[str]:
-    """Names of tensors that pass the config's name filters (before ``only_moved``)."""
-    include, exclude = _as_patterns(config.include_parameters), _as_patterns(config.exclude_parameters)
+def eligible_tensors(
+    layout: Layout,
+    include: list[str] | str | None = None,
+    exclude: list[str] | str | None = None,
+    modules_to_save: list[str] | None = None,
+) -> list[str]:
+    """Names of the floating-point tensors that pass the name filters and are not saved whole (before ``only_moved``).
+
+    ``include``/``exclude``: regexes (``GraftConfig.include_parameters``/``exclude_parameters``) searched in every
+    name of a tensor.
+    """
+    include, exclude = _as_patterns(include), _as_patterns(exclude)
     names = []
     for name, info in layout.tensors.items():
         if not info.parameter.is_floating_point():
             continue
-        if any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases):
+        if any(is_saved_whole(alias, modules_to_save) for alias in info.aliases):
             continue
         if include and not any(p.search(a) for p in include for a in info.aliases):
             continue

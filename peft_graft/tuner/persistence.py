@@ -1,8 +1,9 @@
 """Persistence of graft adapters: atomic saves, checked loads, the model card, ``push_to_hub``.
 
-peft writes adapter files in place and offers no hook around saving or loading, so :func:`install` wraps
-``PeftModel.save_pretrained``, ``PeftModel.load_adapter`` and ``PeftModel.push_to_hub``; models without a graft
-adapter take the original path.
+peft writes adapter files in place and offers no hook around saving or loading, so the package wraps
+``PeftModel.save_pretrained``, ``PeftModel.load_adapter`` and ``PeftModel.push_to_hub`` with the wrappers of
+:data:`PEFT_MODEL_WRAPPERS` (installed by ``peft_graft/__init__.py``); models without a graft adapter take the original
+path.
 
 - ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
   ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves.
@@ -29,7 +30,7 @@ from huggingface_hub import HfApi, ModelCard
 from peft import PeftModel
 from safetensors import SafetensorError
 
-from .registration import GRAFT_NAME
+from .config import GRAFT_NAME
 
 CARD_TAGS = ("graft", "skill-localization")
 CONFIG_NAME = "adapter_config.json"
@@ -38,20 +39,6 @@ CARD_SECTION = "## Graft"
 
 def _is_graft(model: PeftModel) -> bool:
     return any(str(c.peft_type).lower().endswith(GRAFT_NAME) for c in model.peft_config.values())
-
-
-def _marked(function) -> bool:
-    return getattr(function, "_peft_graft_wrapper", False)
-
-
-def install() -> None:
-    """Wrap ``PeftModel.save_pretrained``, ``PeftModel.load_adapter`` and ``PeftModel.push_to_hub`` (idempotent)."""
-    if not _marked(PeftModel.save_pretrained):
-        PeftModel.save_pretrained = _wrap_save(PeftModel.save_pretrained)
-    if not _marked(PeftModel.load_adapter):
-        PeftModel.load_adapter = _wrap_load(PeftModel.load_adapter)
-    if not _marked(PeftModel.push_to_hub):
-        PeftModel.push_to_hub = _wrap_push(PeftModel.push_to_hub)
 
 
 def _wrap_save(original):
@@ -73,7 +60,6 @@ def _wrap_save(original):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    save_pretrained._peft_graft_wrapper = True
     return save_pretrained
 
 
@@ -96,7 +82,6 @@ def _wrap_load(original):
                 ) from error
             raise
 
-    load_adapter._peft_graft_wrapper = True
     return load_adapter
 
 
@@ -126,7 +111,6 @@ def _wrap_push(original):
                 create_pr=kwargs.get("create_pr", False),
             )
 
-    push_to_hub._peft_graft_wrapper = True
     return push_to_hub
 
 
@@ -184,3 +168,7 @@ def write_graft_card_section(model: PeftModel, folder: str) -> None:
     text = card.text.split(CARD_SECTION)[0].rstrip()
     card.text = f"{text}\n\n{section}\n"
     card.save(path)
+
+
+PEFT_MODEL_WRAPPERS = {"save_pretrained": _wrap_save, "load_adapter": _wrap_load, "push_to_hub": _wrap_push}
+"""``PeftModel`` method name -> function making its graft-aware wrapper from the original."""

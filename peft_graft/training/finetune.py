@@ -1,10 +1,10 @@
-"""An L1 penalty on the parameter movement ``|theta - theta_pre|`` during fine-tuning (paper section 4, Figure 5).
+"""Fine-tuning that keeps skills localized: an L1 penalty on the movement ``|theta - theta_pre|`` (paper Figure 5).
 
 With AdamW, fine-tuning spreads its changes over many parameters and sparse grafts stop working; adding
 ``strength * sum_i |theta_i - theta_pre_i|`` to the loss (the paper uses ``strength = 1e-3``) restores localization.
 
-* :class:`MovementL1Penalty` is the penalty itself: it snapshots ``theta_pre`` of the trainable parameters and returns
-  the penalty as a differentiable scalar. Use it in any training loop.
+* :class:`MovementL1Penalty` is the penalty itself, a loss term: it snapshots ``theta_pre`` of the trainable parameters
+  and returns the penalty as a differentiable scalar. Use it in any training loop.
 * :class:`MovementL1Trainer` is a ``transformers.Trainer`` that adds it to every training loss.
 """
 
@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers import Trainer
+
+from .losses import LossTermsTrainer
 
 __all__ = ["MovementL1Penalty", "MovementL1Trainer"]
 
@@ -30,6 +31,8 @@ class MovementL1Penalty:
         strength: The coefficient ``lambda >= 0``; the paper uses 1e-3 with AdamW.
         parameters: Optional names of the parameters to penalize; default: every parameter with ``requires_grad``.
     """
+
+    name = "movement_l1"
 
     def __init__(self, model: nn.Module, strength: float, parameters: Iterable[str] | None = None) -> None:
         if isinstance(strength, bool) or not isinstance(strength, (int, float)):
@@ -63,11 +66,11 @@ class MovementL1Penalty:
         return self.strength * self.movement()
 
 
-class MovementL1Trainer(Trainer):
+class MovementL1Trainer(LossTermsTrainer):
     """A ``Trainer`` adding ``movement_l1 * sum_i |theta_i - theta_pre_i|`` to the training loss.
 
     ``theta_pre`` is the model as given to the trainer. With ``movement_l1=0`` it is a plain ``Trainer``. The penalty
-    of the last step is kept in ``self.last_movement_penalty`` and logged as ``movement_l1``.
+    is logged as ``movement_l1`` (its last value is ``trainer.last_loss_terms["movement_l1"]``).
 
     Args:
         movement_l1: Strength ``lambda >= 0`` of the penalty (the paper uses 1e-3 with AdamW).
@@ -77,32 +80,5 @@ class MovementL1Trainer(Trainer):
     def __init__(self, *args, movement_l1: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.movement_penalty = MovementL1Penalty(self.model, movement_l1) if movement_l1 else None
-        self.last_movement_penalty: float | None = None
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        if self.movement_penalty is None or not model.training:
-            return result
-        loss, outputs = result if return_outputs else (result, None)
-        penalty = self.movement_penalty()
-        self.last_movement_penalty = float(penalty.detach())
-        if self._loss_scaled_for_ga(num_items_in_batch):
-            # The Trainer will not divide this loss by the accumulation steps: spread the penalty over them.
-            penalty = penalty / self.current_gradient_accumulation_steps
-        loss = loss + penalty.to(loss.device)
-        return (loss, outputs) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.last_movement_penalty is not None and "loss" in logs:
-            logs["movement_l1"] = self.last_movement_penalty
-        super().log(logs, *args, **kwargs)
-
-    def _loss_scaled_for_ga(self, num_items_in_batch) -> bool:
-        # Mirrors Trainer.training_step, which divides the loss by the accumulation steps unless this is true.
-        if getattr(self, "loss_is_scaled_for_ga", None) is not None:
-            return bool(self.loss_is_scaled_for_ga)
-        return bool(
-            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
-        )
+        if self.movement_penalty is not None:
+            self.loss_terms.append(self.movement_penalty)

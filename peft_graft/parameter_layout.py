@@ -10,13 +10,48 @@ loading agree without storing any of it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+class FlatIndexSpace:
+    """The flat index space of a storage module: its stored tensors flattened and concatenated, in order.
+
+    A graft addresses an entry of a module by one integer in this space; :meth:`split` turns sorted flat indices back
+    into ``(tensor attribute, local flat indices, positions)``.
+    """
+
+    def __init__(self, attrs: Sequence[str], sizes: Sequence[int]) -> None:
+        self.attrs = list(attrs)
+        self.offsets = torch.tensor([0, *torch.tensor(list(sizes), dtype=torch.int64).cumsum(0).tolist()])
+
+    @property
+    def size(self) -> int:
+        """Number of entries in the space."""
+        return int(self.offsets[-1])
+
+    def start(self, attr: str) -> int:
+        """Flat index of the first entry of tensor ``attr``."""
+        return int(self.offsets[self.attrs.index(attr)])
+
+    def index_dtype(self) -> torch.dtype:
+        """The smallest integer dtype that holds every index of the space (int32 unless it is huge)."""
+        return torch.int64 if self.size > torch.iinfo(torch.int32).max else torch.int32
+
+    def split(self, indices: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, slice]]:
+        """Yield ``(attr, local int64 indices, positions in indices)`` per tensor holding some of sorted ``indices``."""
+        bounds = torch.searchsorted(indices.to(torch.int64).cpu(), self.offsets).tolist()
+        for i, attr in enumerate(self.attrs):
+            if bounds[i + 1] > bounds[i]:
+                position = slice(bounds[i], bounds[i + 1])
+                yield attr, indices[position].to(torch.int64) - int(self.offsets[i]), position
 
 
 @dataclass(frozen=True)
@@ -40,13 +75,10 @@ class Layout:
     unsupported: list[str] = field(default_factory=list)  # tensors used directly by a non-leaf module
     by_site: dict[tuple[str, str], TensorInfo] = field(default_factory=dict)  # (storage module, attr) -> info
 
-    def offsets(self, module: str) -> dict[str, int]:
-        """Start of each stored tensor in ``module``'s flat index space (its tensors flattened and concatenated)."""
-        starts, position = {}, 0
-        for attr in self.stored[module]:
-            starts[attr] = position
-            position += self.by_site[(module, attr)].parameter.numel()
-        return starts
+    def index_space(self, module: str) -> FlatIndexSpace:
+        """The flat index space of storage module ``module``."""
+        attrs = self.stored[module]
+        return FlatIndexSpace(attrs, [self.by_site[(module, attr)].parameter.numel() for attr in attrs])
 
     def application_modules(self, storage_modules: set[str]) -> set[str]:
         """Every module that must be wrapped to apply grafts stored on ``storage_modules``."""

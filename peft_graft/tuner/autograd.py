@@ -1,21 +1,18 @@
-"""The differentiable grafted parameters used while ``MaskTrainer`` learns a region (paper Eq. 3-4).
+"""Autograd Functions for the differentiable grafted parameters of a region being learned (paper Eq. 3-4).
 
-``theta_pre + gamma(S) * delta`` with ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)``, as
-autograd Functions that keep no dense temporaries for backward: :class:`GraftedTensors` over a layer's whole flat
-index space (the paper's default), :class:`GraftedCandidates` over candidate coordinates only
-(``GraftConfig.candidates``, with its reusable outputs in :class:`BufferPool`), :class:`GraftedRows` over the rows of
-an embedding matrix that a batch looks up, and :class:`RecomputeSoftParameters`, saved-tensor hooks that rebuild the
-grafted tensors in backward instead of letting the layers' ops keep them.
+``theta_pre + gamma(S) * delta`` with ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)``, built
+without keeping dense temporaries for backward: :class:`GraftedTensors` over a layer's whole flat index space (the
+paper's default), :class:`GraftedSearchSpace` over a search space only (``GraftConfig.search_fraction``, with its
+reusable outputs in :class:`BufferPool`), :class:`GraftedRows` over the rows of an embedding matrix that a batch looks
+up, and :class:`RecomputeSoftParameters`, saved-tensor hooks that rebuild the grafted tensors in backward instead of
+letting the layers' ops keep them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from .layer import GraftLayer
 
 
 class GraftedTensors(torch.autograd.Function):
@@ -89,12 +86,12 @@ class RecomputedSigmoid:
 RECOMPUTED_SIGMOID = RecomputedSigmoid()
 
 
-class GraftedCandidates(torch.autograd.Function):
-    """``theta_pre`` with ``gamma(S) * delta`` added at candidate coordinates only (``GraftConfig.candidates``).
+class GraftedSearchSpace(torch.autograd.Function):
+    """``theta_pre`` with ``gamma(S) * delta`` added on the search space only (``GraftConfig.search_fraction``).
 
-    ``scores``, ``movement`` and ``base`` (positions of ``gamma_base`` among the candidates) live on the sorted
-    candidates; ``parts`` gives, per tensor, its slice ``[a, b)`` of the candidates and their local flat indices. One
-    copy pass per tensor in forward, no dense sigmoid; backward gathers the gradient at the candidates only.
+    ``scores``, ``movement`` and ``base`` (positions of ``gamma_base`` in the search space) live on the sorted search
+    space; ``parts`` gives, per tensor, its slice ``[a, b)`` of the search space and their local flat indices. One
+    copy pass per tensor in forward, no dense sigmoid; backward gathers the gradient on the search space only.
     """
 
     @staticmethod
@@ -142,9 +139,10 @@ class GraftedRows(torch.autograd.Function):
 
     A batch looks up a few hundred rows of a vocabulary-sized matrix: grafting only those skips the dense passes over
     the rest (and the dense gradient of the whole matrix that ``F.embedding`` would build). Dense S
-    (``positions=None``): S and the movement are the flat matrix, taken by whole rows. With candidates: ``positions``
-    are the entries of S that fall in ``rows`` and ``targets`` their flat places in the output. ``flipped`` marks the
-    gathered entries that are in ``gamma_base``. Entries outside ``rows`` get a zero gradient, as through the matrix.
+    (``positions=None``): S and the movement are the flat matrix, taken by whole rows. With a search space:
+    ``positions`` are the entries of S that fall in ``rows`` and ``targets`` their flat places in the output.
+    ``flipped`` marks the gathered entries that are in ``gamma_base``. Entries outside ``rows`` get a zero gradient, as
+    through the matrix.
     """
 
     @staticmethod
@@ -184,7 +182,7 @@ def _gather_rows(scores, movement, rows, positions, dim):
 
 
 class BufferPool:
-    """Reusable output tensors of one layer's :class:`GraftedCandidates`, one per stored tensor.
+    """Reusable output tensors of one layer's :class:`GraftedSearchSpace`, one per stored tensor.
 
     Allocating fresh parameter-sized tensors every step costs page faults that, on CPU, weigh as much as the copy
     itself. A buffer is taken by a forward and released by its backward, so it is never overwritten while a graph
@@ -216,13 +214,13 @@ class RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
 
     The layer's own ops save the tensors they read (``F.linear`` saves its weight for the input gradient), which would
     hold one fp32 copy of every learning layer's parameters from forward until backward. Within this context, a saved
-    tensor that is (a view of) a soft parameter is packed as a recipe (its source layer, adapter and tensor, plus the
-    view's size, stride and offset) and rebuilt without grad at unpacking. S does not change between forward and
-    backward, so the rebuilt values are the same. The rebuilt tensor carries no graph: a double backward
-    (``create_graph=True``) would miss the second-order terms through it.
+    tensor that is (a view of) a soft parameter is packed as a recipe (a function rebuilding the soft parameters of
+    its source, the tensor's name, plus the view's size, stride and offset) and rebuilt without grad at unpacking. S
+    does not change between forward and backward, so the rebuilt values are the same. The rebuilt tensor carries no
+    graph: a double backward (``create_graph=True``) would miss the second-order terms through it.
     """
 
-    def __init__(self, sources: dict[int, tuple[torch.dtype, GraftLayer, str, str]]) -> None:
+    def __init__(self, sources: dict[int, tuple[torch.dtype, Callable[[], dict[str, torch.Tensor]], str]]) -> None:
         def pack(tensor: torch.Tensor):
             try:
                 source = sources.get(tensor.untyped_storage().data_ptr())
@@ -235,8 +233,8 @@ class RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            (layer, adapter_name, attr), size, stride, offset = packed
+            (rebuild, attr), size, stride, offset = packed
             with torch.no_grad():
-                return layer.soft_parameters(adapter_name, recomputing=True)[attr].as_strided(size, stride, offset)
+                return rebuild()[attr].as_strided(size, stride, offset)
 
         super().__init__(pack, unpack)

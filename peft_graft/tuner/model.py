@@ -1,41 +1,26 @@
-"""The graft tuner: chooses the region, wraps modules, saves and loads sparse grafts."""
+"""The graft tuner: injects the planned graft layers, switches, combines and hardens adapters, saves and loads."""
 
 from __future__ import annotations
 
 import copy
-import os
 import warnings
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
-from safetensors.torch import load_file
 from torch import nn
 
-from .config import GraftConfig
+from ..parameter_layout import build_layout
+from ..regions import Region
+from .config import GRAFT_PREFIX, GraftConfig
 from .layer import GraftLayer
-from .layout import Layout, build_layout
-from .movement import candidate_tensors, compute_movement, finetuned_tensor, is_saved_whole, load_finetuned
-from .regions import Region, global_top_k, random_region, top_k_movement
-from .registration import GRAFT_PREFIX
+from .learning import RegionLearner, harden_exact
+from .planning import plan_loaded_graft, plan_new_graft
 
 PEFT_PREFIX = "base_model.model."
 COMBINATION_RULES = ("average", "sum", "first", "last")
-
-
-@dataclass
-class _Plan:
-    """What injecting one adapter does, decided before peft walks the modules."""
-
-    layout: Layout
-    targets: set[str]
-    entries: dict[str, int] = field(default_factory=dict)  # storage module -> number of grafted entries
-    regions: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (idx, values)
-    # module -> (movement, gamma_base positions, candidate flat indices or None for the dense space)
-    training: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-    head: dict[str, torch.Tensor] = field(default_factory=dict)  # theta_ft of modules_to_save tensors
 
 
 class GraftModel(BaseTuner):
@@ -61,9 +46,7 @@ class GraftModel(BaseTuner):
     ) -> None:
         config: GraftConfig = self.peft_config[adapter_name]
         layout = build_layout(model)
-        self._plan = (
-            self._plan_from_config(config, layout) if config.is_created else self._new_plan(model, config, layout)
-        )
+        self._plan = plan_loaded_graft(config, layout) if config.is_created else plan_new_graft(model, config, layout)
         # The config fully determines the targets; peft's key-based injection from a state dict would miss tied users.
         super().inject_adapter(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict=None)
         if not config.is_created:
@@ -94,9 +77,19 @@ class GraftModel(BaseTuner):
         elif current_key in plan.entries:
             fingerprint = config.base_fingerprint.get(current_key, [])
             layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base)
-        if current_key in plan.training:
-            movement, base_region, candidates = plan.training[current_key]
-            layer.set_training_state(adapter_name, movement, base_region, config.score_init, candidates)
+        if current_key in plan.learning:
+            learning = plan.learning[current_key]
+            # Seeded by module name: the same S on every process, whatever the order modules are visited in.
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + zlib.crc32(current_key.encode()))
+            layer.start_learning(
+                adapter_name,
+                learning.movement,
+                learning.base_region,
+                config.score_init,
+                learning.search_indices,
+                config.score_init_width,
+                generator,
+            )
         if adapter_name not in self.active_adapters:
             layer.requires_grad_(False)
 
@@ -108,98 +101,8 @@ class GraftModel(BaseTuner):
         setattr(parent, child_name, new_module)
         return None
 
-    # ------------------------------------------------------------------------------------------ planning
-    def _plan_from_config(self, config: GraftConfig, layout: Layout) -> _Plan:
-        unknown = sorted(set(config.grafted_modules) - set(layout.stored))
-        if unknown:
-            raise ValueError(
-                f"This graft was made for another architecture: modules {unknown[:5]} hold no parameter of this model."
-            )
-        return _Plan(layout, layout.application_modules(set(config.grafted_modules)), dict(config.grafted_modules))
-
-    def _new_plan(self, model: nn.Module, config: GraftConfig, layout: Layout) -> _Plan:
-        if config._finetuned is None:
-            raise ValueError("GraftConfig needs finetuned=<model, path, Hub id or state dict> to create a graft.")
-        state = load_finetuned(config._finetuned, model)
-        movement = compute_movement(state, layout, candidate_tensors(layout, config), config.only_moved)
-        if not movement:
-            raise ValueError("No eligible tensor moved during fine-tuning: check finetuned and the parameter filters.")
-        region = self._choose_region(config, layout, movement)
-        plan = _Plan(layout, set())
-        pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for name, indices in region.items():
-            info = layout.tensors[name]
-            start = layout.offsets(info.module)[info.attr]
-            pieces.setdefault(info.module, []).append((indices + start, movement[name].reshape(-1)[indices]))
-        for module, parts in pieces.items():
-            indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            order = indices.argsort()
-            plan.regions[module] = (indices[order], values[order])
-        if config.learn_region and config.candidates is not None:
-            self._plan_candidates(plan, config, layout, movement, region)
-        elif config.learn_region:
-            for module in {layout.tensors[name].module for name in movement}:
-                flat = [
-                    movement[info.name].reshape(-1) if info.name in movement else torch.zeros(info.parameter.numel())
-                    for info in (layout.by_site[(module, attr)] for attr in layout.stored[module])
-                ]
-                empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
-                plan.training[module] = (torch.cat(flat), plan.regions.get(module, empty)[0], None)
-                plan.regions.setdefault(module, empty)
-        plan.entries = {m: int(idx.numel()) for m, (idx, _) in plan.regions.items()}
-        plan.targets = layout.application_modules(set(plan.regions))
-        for name, info in layout.tensors.items():  # whole tensors of modules_to_save (e.g. a new head)
-            if info.parameter.is_floating_point() and name not in movement and self._saved_whole(config, info):
-                plan.head[name] = finetuned_tensor(state, layout, name)
-        return plan
-
-    @staticmethod
-    def _plan_candidates(
-        plan: _Plan, config: GraftConfig, layout: Layout, movement: dict[str, torch.Tensor], region: Region
-    ) -> None:
-        """Training state on candidate coordinates only: top-c movement united with ``gamma_base`` (``candidates``)."""
-        count = config.candidate_count(sum(d.numel() for d in movement.values()))
-        chosen = top_k_movement(movement, count) | region
-        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
-        for module in sorted({layout.tensors[name].module for name in chosen}):
-            starts = layout.offsets(module)
-            indices, values = [], []
-            for attr in layout.stored[module]:
-                name = layout.by_site[(module, attr)].name
-                if name in chosen:
-                    local = chosen[name]
-                    indices.append(local + starts[attr])
-                    values.append(movement[name].reshape(-1)[local].float())
-            candidates = torch.cat(indices)  # sorted: tensors in offset order, each Region entry sorted
-            base = plan.regions.get(module, empty)[0]
-            plan.training[module] = (
-                torch.cat(values),
-                torch.searchsorted(candidates, base.to(torch.int64)),
-                candidates,
-            )
-            plan.regions.setdefault(module, empty)
-
-    @staticmethod
-    def _saved_whole(config: GraftConfig, info) -> bool:
-        return any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases)
-
-    @staticmethod
-    def _choose_region(config: GraftConfig, layout: Layout, movement: dict[str, torch.Tensor]) -> Region:
-        if config.region == "empty":
-            return Region()
-        if config.region == "given":
-            return _given_region(config._given_region, layout, movement)
-        if config.region == "bias":
-            movement = {n: d for n, d in movement.items() if layout.tensors[n].attr == "bias"}
-            if not movement:
-                raise ValueError('region="bias" but no eligible bias moved during fine-tuning.')
-        k = config.budget(sum(d.numel() for d in movement.values()))
-        if config.region == "random":
-            return random_region({n: d.numel() for n, d in movement.items()}, k, config.seed)
-        return top_k_movement(movement, k)
-
     def _finish_creation(self, model: nn.Module, config: GraftConfig, adapter_name: str) -> None:
-        for name, tensor in self._plan.head.items():
+        for name, tensor in self._plan.saved_whole.items():
             copy = _modules_to_save_tensor(model, name, adapter_name)
             if copy is None:
                 raise ValueError(f"{name!r} belongs to modules_to_save but peft did not wrap its module.")
@@ -242,6 +145,12 @@ class GraftModel(BaseTuner):
         """Graft layers by module name (relative to the base model)."""
         return {name: m for name, m in self.model.named_modules() if isinstance(m, GraftLayer)}
 
+    def region_learners(self, adapter_name: str | None = None) -> dict[str, RegionLearner]:
+        """The learning state of an adapter's region, by module name (empty once the region is hard)."""
+        adapter_name = adapter_name or self.active_adapters[0]
+        learners = {module: layer.learner(adapter_name) for module, layer in self.graft_layers().items()}
+        return {module: learner for module, learner in learners.items() if learner is not None}
+
     def get_region(self, adapter_name: str | None = None) -> Region:
         """The hard region of an adapter, by parameter name (a learning adapter is rounded, paper section 3)."""
         adapter_name = adapter_name or self.active_adapters[0]
@@ -249,30 +158,37 @@ class GraftModel(BaseTuner):
         layout = build_layout(self.model)
         region = {}
         for module, layer in self.graft_layers().items():
-            indices, _ = _layer_entries(layer, adapter_name)
-            for attr, local, _ in layer._split(indices):
+            for attr, local in layer.region_by_tensor(adapter_name).items():
                 region[layout.by_site[(module, attr)].name] = local
         return Region(region)
 
-    def harden_region(self, adapter_name: str | None = None, num_entries: int | None = None) -> int:
+    def harden_region(
+        self,
+        adapter_name: str | None = None,
+        num_entries: int | None = None,
+        entries: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> int:
         """Turn a learned region into a hard sparse graft (``round(gamma)``, or the top ``num_entries`` of gamma).
 
-        Returns the number of grafted entries. The dense training state is released.
+        ``entries`` (module -> flat indices, values), when given, is the hard region to keep instead (e.g. the best
+        mask seen by ``MaskTrainer``). Returns the number of grafted entries. The learning state is released.
         """
         adapter_name = adapter_name or self.active_adapters[0]
-        layers = {m: layer for m, layer in self.graft_layers().items() if layer.is_training_region(adapter_name)}
-        if not layers:
+        learners = self.region_learners(adapter_name)
+        if not learners:
             raise ValueError(f"Adapter {adapter_name!r} has no region being learned (GraftConfig(learn_region=True)).")
-        hardened = None
-        if num_entries is not None:
-            moved = sum(int((layer.graft_movement[adapter_name] != 0).sum()) for layer in layers.values())
+        hardened = entries
+        if hardened is None and num_entries is not None:
+            moved = sum(int(learner.moved().sum()) for learner in learners.values())
             if not 1 <= num_entries <= moved:
                 raise ValueError(f"num_entries={num_entries} must lie in [1, {moved}] (the moved entries).")
-            hardened = _harden_exact(layers, adapter_name, num_entries)
+            hardened = harden_exact(learners, num_entries)
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
         total = 0
-        for module, layer in layers.items():
-            indices, values = hardened[module] if hardened else layer.harden(adapter_name)
-            layer.drop_training_state(adapter_name)
+        for module, learner in learners.items():
+            indices, values = hardened.get(module, empty) if hardened is not None else learner.harden()
+            layer = self.model.get_submodule(module)
+            layer.stop_learning(adapter_name)
             layer.set_region(adapter_name, indices, values)
             total += int(indices.numel())
         _record_layout(self.model, self.peft_config[adapter_name], adapter_name)
@@ -302,7 +218,7 @@ class GraftModel(BaseTuner):
         self.peft_config[combined_name] = config
         regions = {}
         for module, layer in self.graft_layers().items():
-            entries = [_layer_entries(layer, name) for name in adapter_names]
+            entries = [layer.entries(name) for name in adapter_names]
             indices = torch.unique(torch.cat([e[0].to(torch.int64) for e in entries]))
             if indices.numel() == 0:
                 continue
@@ -320,7 +236,7 @@ class GraftModel(BaseTuner):
 
     def graft_stats(self, adapter_name: str | None = None):
         """Grafted entries per tensor, layer and module type, and overall sparsity (see :class:`GraftStats`)."""
-        from .stats import compute_graft_stats
+        from ..analysis.stats import compute_graft_stats  # analysis reads the tuner, not the other way round
 
         adapter_name = adapter_name or self.active_adapters[0]
         self._check_adapter(adapter_name)
@@ -335,11 +251,11 @@ class GraftModel(BaseTuner):
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
         """Only the hard region is saved; a region still being learned is rounded first (paper section 3)."""
         out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        out = {k: v for k, v in out.items() if f".{GRAFT_PREFIX}scores." not in k}
+        out = {k: v for k, v in out.items() if f".{GRAFT_PREFIX}learning." not in k}
         for name, module in model.named_modules():
-            if isinstance(module, GraftLayer) and module.is_training_region(adapter_name):
-                indices, values = module.harden(adapter_name)
-                out[f"{name}.graft_indices.{adapter_name}"] = indices.to(module.index_dtype())
+            if isinstance(module, GraftLayer) and module.is_learning(adapter_name):
+                indices, values = module.entries(adapter_name)
+                out[f"{name}.graft_indices.{adapter_name}"] = indices.to(module.space.index_dtype())
                 out[f"{name}.graft_values.{adapter_name}"] = values
         _record_layout(model, config, adapter_name)
         return out
@@ -374,34 +290,6 @@ def validate_entries(indices: torch.Tensor, values: torch.Tensor, count: int, nu
         raise ValueError(f"Graft values of module {module!r} contain NaN or inf: the file is corrupt.")
 
 
-def _layer_entries(layer: GraftLayer, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if layer.is_training_region(adapter_name):
-        return layer.harden(adapter_name)
-    if adapter_name in layer.graft_indices:
-        return layer.graft_indices[adapter_name], layer.graft_values[adapter_name]
-    return torch.empty(0, dtype=torch.int64), torch.empty(0)
-
-
-def _harden_exact(layers: dict[str, GraftLayer], adapter_name: str, k: int) -> dict[str, tuple]:
-    """Exactly ``k`` moved entries of largest gamma over all layers (ties by module order, then index)."""
-    with torch.no_grad():
-        gammas = {
-            module: torch.where(layer.graft_movement[adapter_name] != 0, layer.gamma(adapter_name), -1.0)
-            for module, layer in layers.items()
-        }
-        region = global_top_k(gammas, k)  # positions in S: flat indices, or positions among sorted candidates
-        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
-        return {
-            module: (
-                layer.score_indices(adapter_name, region[module]),
-                layer.graft_movement[adapter_name][region[module]],
-            )
-            if module in region
-            else empty
-            for module, layer in layers.items()
-        }
-
-
 def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
     present = ~torch.isnan(stacked)
     if callable(combination):
@@ -423,7 +311,7 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
     counts, fingerprints = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, GraftLayer):
-            indices, _ = _layer_entries(module, adapter_name)
+            indices, _ = module.entries(adapter_name)
             if indices.numel():
                 key = name.removeprefix(PEFT_PREFIX)
                 counts[key] = int(indices.numel())
@@ -442,38 +330,3 @@ def _modules_to_save_tensor(model: nn.Module, name: str, adapter_name: str) -> n
             copies = module.modules_to_save
             return copies[adapter_name].get_parameter(".".join(parts[cut:])) if adapter_name in copies else None
     return None
-
-
-def _given_region(given: object, layout: Layout, movement: dict[str, torch.Tensor]) -> Region:
-    """A user region: boolean masks by parameter name, a Region, or the path of a saved graft."""
-    if isinstance(given, (str, os.PathLike)):
-        given = _region_from_saved(os.fspath(given), layout)
-    elif isinstance(given, dict):
-        given = Region.from_masks(given)
-    if not isinstance(given, Region):
-        raise TypeError(f"given_region must be masks, a Region or a saved graft path, got {type(given).__name__}.")
-    for name, indices in given.items():
-        if name not in movement:
-            raise ValueError(
-                f"The given region covers {name!r}, which is not an eligible tensor that fine-tuning moved."
-            )
-        if int(indices.max()) >= movement[name].numel():
-            raise ValueError(f"The given region indexes {name!r} beyond its {movement[name].numel()} entries.")
-    if given.num_entries == 0:
-        raise ValueError("The given region is empty.")
-    return given
-
-
-def _region_from_saved(path: str, layout: Layout) -> Region:
-    config = GraftConfig.from_pretrained(path)
-    weights = load_file(os.path.join(path, "adapter_model.safetensors"))
-    region = {}
-    for module in config.grafted_modules:
-        indices = weights[f"{PEFT_PREFIX}{module}.graft_indices"].to(torch.int64)
-        bounds = layout.offsets(module)
-        for attr, start in bounds.items():
-            info = layout.by_site[(module, attr)]
-            mask = (indices >= start) & (indices < start + info.parameter.numel())
-            if mask.any():
-                region[info.name] = indices[mask] - start
-    return Region(region)

@@ -1,10 +1,10 @@
 """``MaskTrainer``: learn the grafting region of a graft PeftModel (Panigrahi et al., ICML 2023, section 2.3).
 
 Only the scores ``S`` are trained: ``gamma = gamma_base * (1 - sigmoid(S)) + (1 - gamma_base) * sigmoid(S)`` (Eq. 4)
-and the loss is that of ``theta_pre + gamma * (theta_ft - theta_pre)`` (Eq. 3). Evaluation applies the rounded
-(hard) mask, every checkpoint is a loadable sparse graft (the dense ``S`` rides along in ``graft_scores.safetensors``
-for resuming only), and after training the model holds the hard sparse graft: ``round(gamma)``, or exactly
-``num_entries`` entries of largest ``gamma``.
+and the loss is that of ``theta_pre + gamma * (theta_ft - theta_pre)`` (Eq. 3). Evaluation applies the hard mask that
+hardening would keep (``round(gamma)``, or exactly ``num_entries`` entries of largest ``gamma``), every checkpoint is a
+loadable sparse graft of it (the dense ``S`` rides along in ``graft_scores.safetensors`` for resuming only), and after
+training the model holds that hard sparse graft, or the best one evaluated (``keep_best_mask``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
-from .layer import GraftLayer
-from .layout import build_layout
-from .model import GraftModel
+from ..parameter_layout import build_layout
+from ..tuner.learning import RegionLearner, harden_exact
+from ..tuner.model import GraftModel
+from .losses import LossTermsTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ class MaskTrainingArguments(TrainingArguments):
             keep ``round(gamma)`` (the paper).
         l1_penalty: Weight of an optional ``l1_penalty * sum(sigmoid(S))`` added to the training loss (the paper's
             alternative to few steps). ``0`` disables it.
+        mask_dropout: Keep dropout on while learning S (the model in training mode, as any ``Trainer`` runs it).
+            Default ``False``: the model runs in eval mode during mask training, as in the paper's reference code, so
+            a step is a deterministic function of S and the batch.
+        keep_best_mask: When evaluation runs during training and ``metric_for_best_model`` is set, evaluate the
+            starting mask (``gamma_base``) before the first step too, and end with the best evaluated mask instead of
+            the last one (ties keep the earlier mask), so a run never returns a mask worse than ``gamma_base`` on its
+            selection metric. A run resumed from a checkpoint compares the masks evaluated after resuming.
         select_on_train: Also evaluate the hard mask on the training set at each evaluation and report
             ``eval_train_plus_eval_<metric>`` (the paper picks the mask by train + validation score); use it with
             ``metric_for_best_model="train_plus_eval_<metric>"`` and ``load_best_model_at_end=True``.
@@ -70,6 +78,15 @@ class MaskTrainingArguments(TrainingArguments):
         default=None, metadata={"help": "Exact number of grafted entries after training; None = round(gamma)."}
     )
     l1_penalty: float = field(default=0.0, metadata={"help": "Weight of l1_penalty * sum(sigmoid(S)) in the loss."})
+    mask_dropout: bool = field(
+        default=False, metadata={"help": "Keep dropout on while learning S (default off, as the reference code)."}
+    )
+    keep_best_mask: bool = field(
+        default=True,
+        metadata={
+            "help": "With evaluation and metric_for_best_model: keep the best evaluated mask, gamma_base included."
+        },
+    )
     select_on_train: bool = field(
         default=False, metadata={"help": "Also evaluate on the training set; report train + eval metric sums."}
     )
@@ -93,7 +110,20 @@ class MaskTrainingArguments(TrainingArguments):
             raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
 
 
-class MaskTrainer(Trainer):
+class ScoreL1Penalty:
+    """``strength * sum(sigmoid(S))`` over the scores of region learners (a loss term, logged as ``mask_l1``)."""
+
+    name = "mask_l1"
+
+    def __init__(self, learners: list[RegionLearner], strength: float) -> None:
+        self.learners = learners
+        self.strength = strength
+
+    def __call__(self) -> torch.Tensor:
+        return self.strength * sum(torch.sigmoid(learner.scores).sum() for learner in self.learners)
+
+
+class MaskTrainer(LossTermsTrainer):
     """A ``transformers.Trainer`` that learns the region of a graft PeftModel and leaves the hard sparse graft.
 
     The model must come from ``get_peft_model(pre, GraftConfig(finetuned=ft, learn_region=True, ...))``. All its
@@ -120,81 +150,96 @@ class MaskTrainer(Trainer):
             )
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
-            param.requires_grad_(f"graft_scores.{adapter_name}" in name)
+            param.requires_grad_(f"graft_learning.{adapter_name}.scores" in name)
         super().__init__(model=model, args=args, **kwargs)
         # Each micro-batch loss is taken as a mean and divided by the accumulation steps, so that a step's gradient is
         # that of the mean loss over the global batch on any number of processes (many heads, e.g. sequence
         # classification, ignore the num_items_in_batch the Trainer would otherwise rely on).
         self.model_accepts_loss_kwargs = False
         self.adapter_name = adapter_name
-        layers = self._learning_layers()
-        self._num_moved = sum(int((layer.graft_movement[adapter_name] != 0).sum()) for layer in layers)
+        learners = self.region_learners()
+        self._num_moved = sum(int(learner.moved().sum()) for learner in learners.values())
         self._num_parameters = sum(
             info.parameter.numel() for info in build_layout(model.base_model.model).tensors.values()
         )
+        if args.l1_penalty:
+            self.loss_terms.append(ScoreL1Penalty(list(learners.values()), args.l1_penalty))
         self.mask_report: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ mask state
-    def _learning_layers(self) -> list[GraftLayer]:
+    def region_learners(self) -> dict[str, RegionLearner]:
+        """The learning state of the region by module name (empty once hardened)."""
         graft_model: GraftModel = self.model.base_model
-        return [layer for layer in graft_model.graft_layers().values() if layer.is_training_region(self.adapter_name)]
+        return graft_model.region_learners(self.adapter_name)
 
     def num_grafted_entries(self) -> int:
         """Size of the current hard region (``round(gamma)`` while learning)."""
-        layers = self._learning_layers()
-        if layers:
-            return sum(layer.num_hard_entries(self.adapter_name) for layer in layers)
+        learners = self.region_learners()
+        if learners:
+            return sum(learner.num_hard_entries() for learner in learners.values())
         return self.model.base_model.get_region(self.adapter_name).num_entries
 
+    def kept_entries(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The hard region hardening would keep now, by module: ``round(gamma)``, or the ``num_entries`` of largest
+        gamma (at most the moved entries)."""
+        learners = self.region_learners()
+        if self.args.num_entries is None:
+            return {module: learner.harden() for module, learner in learners.items()}
+        return harden_exact(learners, min(self.args.num_entries, self._num_moved))
+
     @contextmanager
-    def hard_mask(self) -> Iterator[None]:
-        """Within this context the model applies the rounded region ``round(gamma)`` (as the paper evaluates)."""
-        layers = self._learning_layers()
-        for layer in layers:
-            layer.use_hard_region(self.adapter_name, True)
+    def hard_mask(self) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Within this context the model applies the hard region it would keep (:meth:`kept_entries`), as the paper
+        evaluates; yields those entries."""
+        learners = self.region_learners()
+        entries = self.kept_entries() if learners else {}
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+        for module, learner in learners.items():
+            learner.hard = entries.get(module, empty)
         try:
-            yield
+            yield entries
         finally:
-            for layer in layers:
-                layer.use_hard_region(self.adapter_name, False)
+            for learner in learners.values():
+                learner.hard = None
 
     def _scores_state(self) -> dict[str, torch.Tensor]:
-        graft_model: GraftModel = self.model.base_model
         return {
-            module: layer.graft_scores[self.adapter_name].detach().cpu().contiguous()
-            for module, layer in graft_model.graft_layers().items()
-            if layer.is_training_region(self.adapter_name)
+            module: learner.scores.detach().cpu().contiguous() for module, learner in self.region_learners().items()
         }
 
     def _load_scores(self, path: str) -> None:
         state = load_file(path)
-        graft_model: GraftModel = self.model.base_model
-        layers = {
-            m: layer for m, layer in graft_model.graft_layers().items() if layer.is_training_region(self.adapter_name)
-        }
-        if set(state) != set(layers):
+        learners = self.region_learners()
+        if set(state) != set(learners):
             raise ValueError(f"{path} holds scores for other modules than this model's learning graft layers.")
-        for module, layer in layers.items():
-            if state[module].shape != layer.graft_scores[self.adapter_name].shape:
+        for module, learner in learners.items():
+            if state[module].shape != learner.scores.shape:
                 raise ValueError(
                     f"{path} holds {tuple(state[module].shape)} scores for {module!r}, this model learns "
-                    f"{tuple(layer.graft_scores[self.adapter_name].shape)}: create the graft with the same GraftConfig "
-                    "(candidates, region, budget) as the run that wrote the checkpoint."
+                    f"{tuple(learner.scores.shape)}: create the graft with the same GraftConfig (search space, "
+                    "region, budget) as the run that wrote the checkpoint."
                 )
         with torch.no_grad():
-            for module, layer in layers.items():
-                layer.graft_scores[self.adapter_name].copy_(state[module])
+            for module, learner in learners.items():
+                learner.scores.copy_(state[module])
 
     # ------------------------------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
         """Learn S (paper Eq. 3-4), then harden: ``round(gamma)``, or the ``num_entries`` of largest gamma."""
-        if not self._learning_layers():
+        if not self.region_learners():
             raise ValueError(
                 f"Adapter {self.adapter_name!r} is no longer learning its region (it was hardened): build a new "
                 "graft with GraftConfig(finetuned=..., learn_region=True) to train again."
             )
         self._check_labels()
-        output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        self._best = None
+        self._tracking_best = self._selects_best_mask()
+        try:
+            if self._tracking_best and not resume_from_checkpoint:
+                self.evaluate()  # the starting mask gamma_base is a candidate
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._tracking_best = False
         if self.args.num_entries is not None and self.args.num_entries > self._num_moved:
             raise ValueError(
                 f"num_entries={self.args.num_entries} exceeds the {self._num_moved} entries fine-tuning moved: lower "
@@ -208,43 +253,52 @@ class MaskTrainer(Trainer):
             self.log({f"final_{k}": v for k, v in self.mask_report.items()})
         return output
 
+    def _selects_best_mask(self) -> bool:
+        args = self.args
+        evaluates = args.eval_strategy != "no" and self.eval_dataset is not None
+        return args.keep_best_mask and evaluates and args.metric_for_best_model is not None
+
+    def _track_best(self, metrics: dict[str, float], entries: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep a copy of the evaluated hard region when its selection metric is the best so far (strictly)."""
+        name = self.args.metric_for_best_model
+        value = metrics.get(name if name.startswith("eval_") else f"eval_{name}")
+        if value is None:
+            raise ValueError(
+                f"metric_for_best_model={name!r} is not among the evaluation metrics {sorted(metrics)}: fix it, or "
+                "set keep_best_mask=False."
+            )
+        best = self._best
+        better = best is None or (value > best[0] if self.args.greater_is_better else value < best[0])
+        if better:
+            copy = {module: (idx.detach().clone(), val.detach().clone()) for module, (idx, val) in entries.items()}
+            self._best = (value, self.state.global_step, copy)
+
     def finalize_mask(self) -> int:
-        """Harden the learned region in place (``round(gamma)`` or ``args.num_entries``); returns its size."""
+        """Harden the learned region in place; returns its size.
+
+        Keeps the best evaluated mask when :attr:`MaskTrainingArguments.keep_best_mask` selected one, else
+        ``round(gamma)`` or the ``args.num_entries`` of largest gamma.
+        """
         rounded = self.num_grafted_entries()
-        kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
+        best = getattr(self, "_best", None)
+        if best is not None:
+            kept = self.model.base_model.harden_region(self.adapter_name, entries=best[2])
+        else:
+            kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
         if kept == 0:
             logger.warning(
                 "The learned region is empty (no gamma reached 0.5): raise learning_rate or max_steps, or set "
                 "num_entries to keep the entries of largest gamma."
             )
         self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
+        if best is not None:
+            self.mask_report["selected_step"] = best[1]
         return kept
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
-        result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-        if not self.args.l1_penalty or not model.training:
-            return result
-        loss, outputs = result if return_outputs else (result, None)
-        penalty = self.args.l1_penalty * sum(
-            torch.sigmoid(layer.graft_scores[self.adapter_name]).sum() for layer in self._learning_layers()
-        )
-        # Add the penalty once per optimizer step: the Trainer divides the loss by the accumulation steps only when
-        # it is a per-batch mean (the same test as in Trainer.training_step).
-        scaled = (
-            self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        ) or self.compute_loss_func is not None
-        if scaled:
-            penalty = penalty / self.current_gradient_accumulation_steps
-        loss = loss + penalty.to(loss.device)
-        return (loss, outputs) if return_outputs else loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._in_training_step and not self.args.mask_dropout:
+            model.eval()  # training_step put it in training mode; S is learned with dropout off (reference code)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _check_labels(self) -> None:
         """Fail before training when the training examples carry no labels the model could compute a loss from."""
@@ -271,10 +325,12 @@ class MaskTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Evaluate the hard (rounded) region, as the paper does; optionally also on the training set."""
-        with self.hard_mask():
+        """Evaluate the hard region (:meth:`kept_entries`), as the paper does; optionally also on the training set."""
+        with self.hard_mask() as entries:
             metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-            extra = {f"{metric_key_prefix}_grafted_entries": self.num_grafted_entries()}
+            learning = bool(self.region_learners())
+            size = sum(int(idx.numel()) for idx, _ in entries.values()) if learning else self.num_grafted_entries()
+            extra = {f"{metric_key_prefix}_grafted_entries": size}
             if self.args.select_on_train and metric_key_prefix.startswith("eval") and self.train_dataset is not None:
                 train = super().evaluate(self.train_dataset, ignore_keys=ignore_keys, metric_key_prefix="train")
                 for key, value in metrics.items():
@@ -283,6 +339,8 @@ class MaskTrainer(Trainer):
                         extra[f"{metric_key_prefix}_train_plus_eval_{name}"] = value + train[f"train_{name}"]
         metrics.update(extra)
         self.log(extra)
+        if getattr(self, "_tracking_best", False) and eval_dataset is None and metric_key_prefix == "eval":
+            self._track_best(metrics, entries)
         return metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
@@ -290,7 +348,7 @@ class MaskTrainer(Trainer):
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._learning_layers():
+        if "loss" in logs and self.region_learners():
             grafted = self.num_grafted_entries()
             logs["grafted_entries"] = grafted
             logs["sparsity"] = grafted / max(self._num_parameters, 1)
@@ -298,8 +356,9 @@ class MaskTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """A loadable sparse graft (``round(gamma)``); while learning, S rides along for resuming."""
-        super()._save(output_dir, state_dict)
+        """A loadable sparse graft (the mask evaluation measures); while learning, S rides along for resuming."""
+        with self.hard_mask():
+            super()._save(output_dir, state_dict)
         if not self.args.should_save:  # transformers calls _save on every rank; one writes (others: no folder yet)
             return
         scores = self._scores_state()
@@ -333,8 +392,7 @@ def _check_model(model: Any) -> str:
             "peft.get_peft_model(pretrained, GraftConfig(finetuned=finetuned, learn_region=True, ...))."
         )
     adapter_name = model.active_adapters[0]
-    layers = [m for m in model.base_model.graft_layers().values() if m.is_training_region(adapter_name)]
-    if not layers:
+    if not model.base_model.region_learners(adapter_name):
         raise ValueError(
             f"Adapter {adapter_name!r} has no theta_ft attached to learn a region from: create the graft with "
             "GraftConfig(finetuned=<fine-tuned model, path or state dict>, learn_region=True). A graft loaded with "

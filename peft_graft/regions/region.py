@@ -1,0 +1,153 @@
+"""The value type of the library: a :class:`Region` is a set of parameter entries, with set algebra.
+
+A region maps a parameter name (as in ``model.named_parameters()``) to the sorted unique flat indices of its entries.
+Regions are what strategies choose, what ``MaskTrainer`` learns, what a saved graft holds and what continual learning
+keeps apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ..parameter_layout import Layout, build_layout
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+class Region(Mapping[str, torch.Tensor]):
+    """An immutable set of entries: parameter name -> sorted unique flat indices (int64)."""
+
+    def __init__(self, indices: Mapping[str, torch.Tensor] | None = None):
+        self._indices: dict[str, torch.Tensor] = {}
+        for name, idx in (indices or {}).items():
+            idx = torch.as_tensor(idx).reshape(-1)
+            if idx.numel() and (idx.is_floating_point() or idx.dtype == torch.bool):
+                raise TypeError(f"Region indices of {name!r} must be integers, got {idx.dtype}.")
+            idx = torch.unique(idx.to(torch.int64).cpu())
+            if idx.numel() and idx[0] < 0:
+                raise ValueError(f"Region indices of {name!r} must be non-negative, got {idx[0].item()}.")
+            if idx.numel():
+                self._indices[name] = idx
+
+    @classmethod
+    def from_masks(cls, masks: Mapping[str, torch.Tensor]) -> Region:
+        """Region of the ``True`` entries of boolean masks keyed by parameter name."""
+        for name, mask in masks.items():
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise TypeError(f"Mask {name!r} must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}.")
+        return cls({name: mask.reshape(-1).nonzero().reshape(-1) for name, mask in masks.items()})
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, model: nn.Module) -> Region:
+        """The region of a graft saved with ``save_pretrained`` in folder ``path``, by parameter name of ``model``.
+
+        ``model`` is the pre-trained model the graft was made for (plain or wrapped by peft): only its structure is
+        read, to turn each module's flat indices into parameter names. Reads the JSON config and the safetensors
+        weights only (never a pickle).
+        """
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return saved_region(path, build_layout(base))
+
+    def to_masks(self, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """Dense boolean masks of the given shapes (one per name in ``shapes``)."""
+        masks = {}
+        for name, shape in shapes.items():
+            mask = torch.zeros(shape, dtype=torch.bool)
+            if name in self._indices:
+                mask.view(-1)[self._indices[name]] = True
+            masks[name] = mask
+        return masks
+
+    # Mapping protocol
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._indices[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @property
+    def num_entries(self) -> int:
+        """Number of entries in the region."""
+        return sum(int(idx.numel()) for idx in self._indices.values())
+
+    def __repr__(self) -> str:
+        return f"Region({self.num_entries} entries in {len(self._indices)} tensors)"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Region):
+            return NotImplemented
+        return self._indices.keys() == other._indices.keys() and all(
+            torch.equal(idx, other._indices[n]) for n, idx in self._indices.items()
+        )
+
+    __hash__ = None
+
+    # Algebra
+    def __or__(self, other: Region) -> Region:
+        names = self._indices.keys() | other._indices.keys()
+        empty = torch.empty(0, dtype=torch.int64)
+        return Region({n: torch.cat([self._indices.get(n, empty), other._indices.get(n, empty)]) for n in names})
+
+    def __and__(self, other: Region) -> Region:
+        return Region(
+            {n: idx[torch.isin(idx, other._indices[n])] for n, idx in self._indices.items() if n in other._indices}
+        )
+
+    def __sub__(self, other: Region) -> Region:
+        return Region(
+            {n: idx[~torch.isin(idx, other._indices[n])] if n in other else idx for n, idx in self._indices.items()}
+        )
+
+    union, intersection, difference = __or__, __and__, __sub__
+
+    def overlap(self, other: Region) -> float:
+        """The paper's asymmetric overlap ``|self & other| / |other|`` (Figure 8a)."""
+        return (self & other).num_entries / other.num_entries if other.num_entries else 0.0
+
+    def iou(self, other: Region) -> float:
+        """Intersection over union ``|self & other| / |self | other|``."""
+        union = (self | other).num_entries
+        return (self & other).num_entries / union if union else 0.0
+
+
+def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
+    """The region of the graft saved in folder ``path``, for the model whose structure is ``layout``."""
+    path = os.fspath(path)
+    config_file, weights_file = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)
+    for file in (config_file, weights_file):
+        if not os.path.isfile(file):
+            raise ValueError(f"{path!r} is not a saved graft: {os.path.basename(file)} is missing.")
+    with open(config_file, encoding="utf-8") as handle:
+        grafted_modules = json.load(handle).get("grafted_modules")
+    if not isinstance(grafted_modules, dict):
+        raise ValueError(f"{config_file} records no grafted_modules: it is not a graft adapter config.")
+    weights = load_file(weights_file)
+    region = {}
+    for module, count in grafted_modules.items():
+        indices = weights.get(f"{PEFT_PREFIX}{module}.graft_indices")
+        if module not in layout.stored or indices is None or indices.numel() != count:
+            raise ValueError(
+                f"The graft in {path!r} does not fit this model: module {module!r} holds no parameter of it, or "
+                "its entries are missing from the weights."
+            )
+        indices = indices.to(torch.int64)
+        space = layout.index_space(module)
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= space.size):
+            raise ValueError(
+                f"The graft in {path!r} indexes module {module!r} outside [0, {space.size}): the file is corrupt "
+                "or made for another model."
+            )
+        for attr, local, _ in space.split(torch.sort(indices).values):
+            region[layout.by_site[(module, attr)].name] = local
+    return Region(region)

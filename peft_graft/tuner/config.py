@@ -1,0 +1,201 @@
+"""Configuration of the ``graft`` PEFT method."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+from peft.config import PeftConfig
+
+from .._peft_compat import extend_peft_type
+from ..regions.strategies import get_region_strategy
+
+GRAFT_NAME = "graft"
+GRAFT_PREFIX = "graft_"
+
+
+@dataclass
+class GraftConfig(PeftConfig):
+    """Configuration of a graft: ``theta = theta_pre + gamma * (theta_ft - theta_pre)`` with a sparse binary ``gamma``.
+
+    Args:
+        finetuned: The fine-tuned model theta_ft: a model object, a local path or Hub id, or a state dict. Only used
+            when the graft is created (it is read once to form ``theta_ft - theta_pre``) and never saved.
+        given_region: For ``region="given"``: a dict of boolean masks keyed by parameter name, a
+            :class:`~peft_graft.Region`, or the path of a saved graft. Runtime only, never saved.
+        finetuned_model_name_or_path: Recorded name of theta_ft when it was given as a path or Hub id.
+        sparsity: Fraction of the eligible parameters to graft; the budget is ``k = round(sparsity * n_eligible)``.
+        num_entries: Exact budget ``k``; overrides ``sparsity`` when set.
+        region: Name of the region strategy (see :mod:`peft_graft.regions.strategies`): ``"movement"`` (the paper's
+            ``gamma_base``: top-k of ``|theta_ft - theta_pre|`` over all eligible tensors), ``"random"`` (seeded),
+            ``"bias"`` (top-k movement among biases only), ``"given"`` (``given_region``), ``"empty"``
+            (``gamma_base = 0``, with ``learn_region=True`` only), or any name registered with
+            :func:`~peft_graft.register_region_strategy`.
+        seed: Seed of the ``"random"`` region.
+        include_parameters: Regex (or list of regexes) a parameter name must match to be eligible; ``None`` = all.
+        exclude_parameters: Regex (or list of regexes) that makes a parameter ineligible.
+        only_moved: Count as eligible only tensors that fine-tuning moved (the paper's default).
+        modules_to_save: Modules stored whole (e.g. a new classification head), outside the sparsity budget.
+        learn_region: Keep ``theta_ft - theta_pre`` and real-valued scores ``S`` so that
+            :class:`~peft_graft.MaskTrainer` can learn the region (paper Eq. 3-4). The dense state is never saved.
+        score_init: Initial value of ``S``: ``sigmoid(-10) = 4.5e-5``, near 0 as the paper asks.
+        score_init_width: With a width ``w > 0``, S starts uniform in ``[score_init, score_init + w)`` (seeded by
+            ``seed`` and the module name, so every process draws the same S). The paper's reference code starts S
+            uniform in [0, 1) under a sigmoid shifted by 10: ``score_init=-10, score_init_width=1``. ``0`` (default):
+            a constant start.
+        search_fraction: With ``learn_region=True``, learn ``S`` only on a *search space*: the top
+            ``search_fraction`` of the eligible entries by ``|theta_ft - theta_pre|``, united with ``gamma_base``. A
+            departure from the paper, which learns ``S`` over every entry: S, the movement and the gradient of S
+            then exist on the search space only (much cheaper), and the learned region is a subset of it. ``None``
+            (default): the paper's dense search space.
+        search_entries: The search space as an exact number of top-movement entries; overrides ``search_fraction``.
+        verify_base: Refuse to apply the graft onto a base whose values differ from the theta_pre it was made from.
+        grafted_modules: Filled in by the library: number of grafted entries per module (needed to load).
+        base_fingerprint: Filled in by the library: theta_pre at a few grafted entries per module.
+    """
+
+    # Not fields: a graft chooses its modules itself; peft's injection code reads these attributes.
+    target_modules = None
+    exclude_modules = None
+
+    finetuned: InitVar[Any] = None
+    given_region: InitVar[Any] = None
+    finetuned_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Recorded name of theta_ft when given as a path or Hub id."}
+    )
+    sparsity: float | None = field(
+        default=1e-4, metadata={"help": "Fraction of eligible parameters to graft (k = round(sparsity * n_eligible))."}
+    )
+    num_entries: int | None = field(default=None, metadata={"help": "Exact number of grafted entries k."})
+    region: str = field(
+        default="movement",
+        metadata={"help": "Region strategy: movement, random, bias, given, empty, or a registered name."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the random region."})
+    include_parameters: list[str] | str | None = field(
+        default=None, metadata={"help": "Regex(es) a parameter name must match to be eligible."}
+    )
+    exclude_parameters: list[str] | str | None = field(
+        default=None, metadata={"help": "Regex(es) that make a parameter ineligible."}
+    )
+    only_moved: bool = field(default=True, metadata={"help": "Only tensors moved by fine-tuning are eligible."})
+    modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules stored whole, outside the sparsity budget (e.g. a new head)."}
+    )
+    learn_region: bool = field(
+        default=False, metadata={"help": "Keep theta_ft - theta_pre and scores S for MaskTrainer (never saved)."}
+    )
+    score_init: float = field(default=-10.0, metadata={"help": "Initial scores S (sigmoid(S) near 0)."})
+    score_init_width: float = field(
+        default=0.0, metadata={"help": "S starts uniform in [score_init, score_init + width); reference code: 1."}
+    )
+    search_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learn S only on this fraction of the eligible entries (top movement) plus gamma_base. Not in the "
+            "paper (dense S); None = dense."
+        },
+    )
+    search_entries: int | None = field(
+        default=None,
+        metadata={
+            "help": "Learn S only on this many top-movement entries plus gamma_base (overrides search_fraction)."
+        },
+    )
+    verify_base: bool = field(
+        default=True, metadata={"help": "Refuse a base model whose values differ from the graft's theta_pre."}
+    )
+    grafted_modules: dict[str, int] = field(
+        default_factory=dict, metadata={"help": "Set by the library: grafted entries per module."}
+    )
+    base_fingerprint: dict[str, list[float]] = field(
+        default_factory=dict, metadata={"help": "Set by the library: theta_pre at a few grafted entries per module."}
+    )
+
+    def __post_init__(self, finetuned: Any, given_region: Any) -> None:
+        super().__post_init__()
+        self.peft_type = extend_peft_type(GRAFT_NAME.upper())
+        # Runtime objects are attributes, not fields: they are never serialised.
+        self._finetuned = finetuned
+        self._given_region = given_region
+        if isinstance(finetuned, str) and self.finetuned_model_name_or_path is None:
+            self.finetuned_model_name_or_path = finetuned
+        self._validate()
+
+    def _validate(self) -> None:
+        if not self.is_created:  # a loaded graft does not need its strategy any more
+            strategy = get_region_strategy(self.region)
+            if strategy.uses_budget and self.num_entries is None:
+                _check_fraction("sparsity", self.sparsity, "e.g. 1e-4 grafts 0.01%")
+        if self.num_entries is not None:
+            _check_count("num_entries", self.num_entries)
+        for name in ("score_init", "score_init_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if self.score_init_width < 0:
+            raise ValueError(f"score_init_width must be >= 0, got {self.score_init_width}.")
+        if self.search_entries is not None:
+            _check_count("search_entries", self.search_entries)
+        elif self.search_fraction is not None:
+            _check_fraction("search_fraction", self.search_fraction, "use search_entries for an exact count")
+        searching = self.search_fraction is not None or self.search_entries is not None
+        if searching and not self.learn_region and not self.is_created:
+            raise ValueError(
+                "search_fraction/search_entries only apply while learning a region: set learn_region=True."
+            )
+        if self.region == "empty" and not self.learn_region and not self.is_created:
+            raise ValueError('region="empty" (gamma_base = 0) is only meaningful with learn_region=True.')
+        if self.region == "given" and self._given_region is None and not self.is_created:
+            raise ValueError('region="given" needs given_region=<masks, Region or saved graft path>.')
+
+    @property
+    def is_created(self) -> bool:
+        """Whether this config describes an existing graft (loaded or already injected)."""
+        return bool(self.grafted_modules)
+
+    @property
+    def searches_subset(self) -> bool:
+        """Whether ``S`` is learned on a search space smaller than the eligible entries."""
+        return self.search_entries is not None or self.search_fraction is not None
+
+    def search_space_size(self, num_eligible: int) -> int:
+        """The number of top-movement entries of the search space (``search_entries``/``search_fraction``)."""
+        if self.search_entries is not None:
+            size, field_name = self.search_entries, "search_entries"
+        else:
+            size, field_name = round(self.search_fraction * num_eligible), "search_fraction"
+        return _check_budget(size, num_eligible, field_name, getattr(self, field_name))
+
+    def budget(self, num_eligible: int) -> int:
+        """The exact number of entries k to graft out of ``num_eligible`` eligible ones."""
+        if self.num_entries is not None:
+            return _check_budget(self.num_entries, num_eligible, "num_entries", self.num_entries)
+        return _check_budget(round(self.sparsity * num_eligible), num_eligible, "sparsity", self.sparsity)
+
+
+def _check_fraction(name: str, value: Any, hint: str) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in (0, 1], got {value!r}.")
+    if math.isnan(value) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must lie in (0, 1], got {value}: {hint}.")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}.")
+
+
+def _check_budget(size: int, num_eligible: int, name: str, value: Any) -> int:
+    """``size`` entries out of ``num_eligible``, or a clear error naming the field that asked for them."""
+    if size > num_eligible:
+        raise ValueError(
+            f"{name}={value} asks for {size} entries, which exceeds the {num_eligible} eligible parameters: lower it, "
+            "or widen include_parameters/exclude_parameters/only_moved."
+        )
+    if size < 1:
+        raise ValueError(f"{name}={value} of {num_eligible} eligible parameters rounds to 0 entries: raise it.")
+    return size

@@ -1,0 +1,357 @@
+"""The graft adapter layer: applies ``gamma * (theta_ft - theta_pre)`` to the parameters of any module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import nn
+from torch.nn import functional as F
+
+from ..parameter_layout import FlatIndexSpace
+from .autograd import RecomputeSoftParameters
+from .learning import RegionLearner
+
+# Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters and autograd.GraftedRows.
+RECOMPUTE_SOFT_PARAMETERS = True
+GRAFT_EMBEDDING_ROWS = True
+
+_NO_ENTRIES = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+
+
+class GraftLayer(nn.Module, BaseTunerLayer):
+    """Wraps one module and grafts sparse entries onto its parameters.
+
+    The layer *stores* the entries of the tensors in ``stored_attrs`` (a :class:`FlatIndexSpace`: those tensors
+    flattened and concatenated in order) and *applies* them together with the entries of tied tensors stored on other
+    layers (``tied_sources``), so a tensor shared by several modules is stored once and used consistently everywhere.
+
+    Per adapter it holds either a hard region (``graft_indices``, sorted, and fp32 ``graft_values`` = theta_ft -
+    theta_pre there), or, while :class:`~peft_graft.MaskTrainer` learns the region, a :class:`RegionLearner`
+    (``graft_learning``) with the scores S of paper Eq. 4. Only the hard region is ever saved.
+    """
+
+    adapter_layer_names = ("graft_values", "graft_learning")
+    other_param_names = ("graft_indices",)
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        stored_attrs: list[str],
+        tied_sources: dict[str, tuple[GraftLayer, str]],
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.graft_values = nn.ParameterDict()
+        self.graft_indices = BufferDict(persistent=True)
+        self.graft_learning = nn.ModuleDict()
+        self.space = FlatIndexSpace(stored_attrs, [getattr(base_layer, attr).numel() for attr in stored_attrs])
+        self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
+        self.fingerprints: dict[str, list[float]] = {}
+        self.verify_base: dict[str, bool] = {}
+        self._merge_backup: dict[str, list[torch.Tensor]] = {}
+        self._disable_adapters = False
+        self.merged_adapters = []
+
+    # ----------------------------------------------------------------------------------------------- state
+    @property
+    def stored_attrs(self) -> list[str]:
+        """Names of the tensors whose entries this layer stores, in flat-index order."""
+        return self.space.attrs
+
+    @property
+    def num_stored(self) -> int:
+        """Size of this layer's flat index space."""
+        return self.space.size
+
+    def update_layer(self, adapter_name: str, num_entries: int, fingerprint: list[float], verify_base: bool) -> None:
+        """Create an empty hard region of ``num_entries`` entries, to be filled by loading or :meth:`set_region`."""
+        device = self._device()
+        self.graft_indices[adapter_name] = torch.zeros(num_entries, dtype=self.space.index_dtype(), device=device)
+        self.graft_values[adapter_name] = nn.Parameter(torch.zeros(num_entries, device=device))
+        self.fingerprints[adapter_name] = list(fingerprint)
+        self.verify_base[adapter_name] = verify_base
+
+    def set_region(self, adapter_name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the hard region: sorted flat ``indices`` into this layer's space and fp32 ``values`` there."""
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_stored):
+            raise ValueError(f"Graft indices out of range [0, {self.num_stored}) for adapter {adapter_name!r}.")
+        device = self._device()
+        requires_grad = adapter_name in self.graft_values and self.graft_values[adapter_name].requires_grad
+        self.graft_indices[adapter_name] = indices.to(device, self.space.index_dtype())
+        self.graft_values[adapter_name] = nn.Parameter(values.to(device, torch.float32), requires_grad=requires_grad)
+        self.fingerprints[adapter_name] = self.base_values(indices[:2]).tolist()
+        self.verify_base.setdefault(adapter_name, True)
+
+    def start_learning(
+        self,
+        adapter_name: str,
+        movement: torch.Tensor,
+        base_region: torch.Tensor,
+        score_init: float,
+        search_indices: torch.Tensor | None = None,
+        score_init_width: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> RegionLearner:
+        """Attach the state to learn this adapter's region here (see :class:`RegionLearner`)."""
+        device = self._device()
+        learner = RegionLearner(
+            self.space,
+            movement.to(device),
+            base_region.to(device),
+            score_init,
+            None if search_indices is None else search_indices.to(device),
+            score_init_width,
+            generator,
+        )
+        self.graft_learning[adapter_name] = learner
+        return learner
+
+    def stop_learning(self, adapter_name: str) -> None:
+        """Release the learning state of ``adapter_name`` (its hard region stays)."""
+        if adapter_name in self.graft_learning:
+            del self.graft_learning[adapter_name]
+
+    def learner(self, adapter_name: str) -> RegionLearner | None:
+        """The learning state of ``adapter_name``, or ``None`` when its region is hard."""
+        return self.graft_learning[adapter_name] if adapter_name in self.graft_learning else None  # noqa: SIM401
+
+    def is_learning(self, adapter_name: str) -> bool:
+        """Whether the region of ``adapter_name`` is being learned on this layer."""
+        return adapter_name in self.graft_learning
+
+    def entries(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat indices, fp32 values)`` of the hard region of ``adapter_name``; while learning, the hard region the
+        layer applies (``RegionLearner.hard``), else ``round(gamma)``."""
+        learner = self.learner(adapter_name)
+        if learner is not None:
+            return learner.hard if learner.hard is not None else learner.harden()
+        if adapter_name in self.graft_indices:
+            return self.graft_indices[adapter_name], self.graft_values[adapter_name]
+        return _NO_ENTRIES
+
+    def region_by_tensor(self, adapter_name: str) -> dict[str, torch.Tensor]:
+        """The hard region of ``adapter_name`` as local flat indices per stored tensor attribute."""
+        indices, _ = self.entries(adapter_name)
+        return {attr: local for attr, local, _ in self.space.split(indices)}
+
+    def soft_parameters(self, adapter_name: str, recomputing: bool = False) -> dict[str, torch.Tensor]:
+        """The learning adapter's grafted tensors, differentiable in S (see :meth:`RegionLearner.soft_parameters`)."""
+        return self.graft_learning[adapter_name].soft_parameters(self.base_layer, recomputing)
+
+    def base_values(self, indices: torch.Tensor) -> torch.Tensor:
+        """Current values of the stored tensors at flat ``indices`` (as fp32)."""
+        out = torch.empty(indices.numel(), dtype=torch.float32)
+        for attr, local, position in self.space.split(indices):
+            out[position] = getattr(self.base_layer, attr).detach().reshape(-1)[local.to(torch.int64)].float().cpu()
+        return out
+
+    def sparse_entries(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(local indices, values)`` of the hard region of ``adapter_name`` in stored tensor ``attr``."""
+        return _entries_of(self.space, self.graft_indices[adapter_name], self.graft_values[adapter_name], attr)
+
+    def _device(self) -> torch.device:
+        param = next(self.base_layer.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
+        # Values stay fp32 whatever the base dtype (exactness), indices stay integers: move devices only.
+        device = device or self._device()
+        for name in ("graft_values", "graft_indices"):
+            container = getattr(self, name)
+            if adapter_name in container and container[adapter_name].device != device:
+                item = container[adapter_name]
+                container[adapter_name] = (
+                    nn.Parameter(item.to(device), requires_grad=item.requires_grad)
+                    if isinstance(item, nn.Parameter)
+                    else item.to(device)
+                )
+        if adapter_name in self.graft_learning:
+            self.graft_learning[adapter_name].to(device)
+
+    # ----------------------------------------------------------------------------------------------- checks
+    def check_base(self, adapter_name: str) -> None:
+        """Refuse to apply a graft made for other pre-trained values (see ``GraftConfig.verify_base``)."""
+        expected = self.fingerprints.get(adapter_name)
+        if not expected or not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
+            return
+        indices = self.graft_indices[adapter_name][: len(expected)]
+        found = self.base_values(indices)
+        for attr, local, position in self.space.split(indices):
+            dtype = getattr(self.base_layer, attr).dtype
+            want = torch.tensor(expected[position], dtype=torch.float32).to(dtype).float()
+            if not torch.equal(found[position], want):
+                raise ValueError(
+                    f"Graft {adapter_name!r} was made for a different pre-trained model: tensor {attr!r} of "
+                    f"{type(self.base_layer).__name__} holds {found[position].tolist()} at entries {local.tolist()}, "
+                    f"the graft expects {want.tolist()}. Load it onto the base it was made from, or override: "
+                    "config = GraftConfig.from_pretrained(path); config.verify_base = False; "
+                    "PeftModel.from_pretrained(model, path, config=config)."
+                )
+        self.verify_base[adapter_name] = False  # checked once
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def _contribution(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sparse ``(indices, values)`` of tensor ``attr`` (of the rounded region while one is being learned)."""
+        learner = self.learner(adapter_name)
+        if learner is not None and learner.hard is not None:
+            return _entries_of(self.space, *learner.hard, attr)
+        if adapter_name not in self.graft_values:
+            return None
+        self.check_base(adapter_name)
+        return self.sparse_entries(adapter_name, attr)
+
+    def effective_parameters(
+        self, adapter_names: list[str], recipes: dict[str, tuple[Any, str]] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Parameters of the base layer with the given adapters grafted on, for those that change.
+
+        ``recipes``, when given, receives ``attr -> (rebuild, source attr)`` for every override that is exactly a dense
+        soft parameter of a learning adapter (``rebuild()`` recomputes the source layer's soft parameters), so that it
+        can be recomputed in backward.
+        """
+        sources = {attr: (self, attr) for attr in self.stored_attrs} | self.tied_sources
+        overrides = {}
+        soft: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # one autograd node per (source layer, adapter)
+        for attr, (layer, source_attr) in sources.items():
+            param = getattr(self.base_layer, attr)
+            value = param
+            recipe = None
+            for adapter_name in adapter_names:
+                learner = layer.learner(adapter_name)
+                if learner is not None and learner.hard is None:
+                    key = (id(layer), adapter_name)
+                    if key not in soft:
+                        soft[key] = layer.soft_parameters(adapter_name)
+                    if source_attr not in soft[key]:  # no search-space entry in this tensor: theta_pre
+                        continue
+                    # Soft graft of the learning adapter, plus what earlier adapters added to this tensor. Only dense
+                    # soft parameters are recomputed in backward: a search space's are cheap to keep.
+                    recipe = None
+                    if value is param and learner.is_dense:
+                        recipe = (_rebuilder(layer, adapter_name), source_attr)
+                    value = soft[key][source_attr] if value is param else value + (soft[key][source_attr] - param)
+                    continue
+                contribution = layer._contribution(adapter_name, source_attr)
+                if contribution is None:
+                    continue
+                indices, values = contribution
+                flat = value.reshape(-1)
+                value = flat.index_put((indices,), (flat[indices].float() + values).to(param.dtype)).view_as(param)
+                recipe = None
+            if value is not param:
+                overrides[attr] = value
+                if recipe is not None and recipes is not None:
+                    recipes[attr] = recipe
+        return overrides
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(*args, **kwargs)
+        if self.merged:
+            return self.base_layer(*args, **kwargs)
+        row_adapter = self._row_learning_adapter()
+        if row_adapter is not None:
+            return self._embedding_rows_forward(row_adapter, *args, **kwargs)
+        recipes: dict[str, tuple[Any, str]] = {}
+        overrides = self.effective_parameters(self.active_adapters, recipes)
+        if not overrides:
+            return self.base_layer(*args, **kwargs)
+        if recipes and RECOMPUTE_SOFT_PARAMETERS and torch.is_grad_enabled():
+            sources = {
+                overrides[attr].untyped_storage().data_ptr(): (overrides[attr].dtype, *recipe)
+                for attr, recipe in recipes.items()
+            }
+            with RecomputeSoftParameters(sources):
+                return torch.func.functional_call(
+                    self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False
+                )
+        return torch.func.functional_call(self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False)
+
+    def _row_learning_adapter(self) -> str | None:
+        """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
+        the soft values of the rows it looks up only (``soft_rows``), not of the whole matrix."""
+        base = self.base_layer
+        if not GRAFT_EMBEDDING_ROWS or type(base).forward is not nn.Embedding.forward:
+            return None
+        if base.max_norm is not None or base.sparse or self.tied_sources or self.stored_attrs != ["weight"]:
+            return None
+        if len(self.active_adapters) != 1:
+            return None
+        adapter_name = self.active_adapters[0]
+        learner = self.learner(adapter_name)
+        return adapter_name if learner is not None and learner.hard is None else None
+
+    def _embedding_rows_forward(self, adapter_name: str, input: torch.Tensor) -> torch.Tensor:
+        base = self.base_layer
+        rows, inverse = torch.unique(input, return_inverse=True)
+        padding_idx = None
+        if base.padding_idx is not None:
+            found = (rows == base.padding_idx).nonzero()
+            padding_idx = int(found[0, 0]) if found.numel() else None
+        weight = self.graft_learning[adapter_name].soft_rows(base.weight, rows)
+        return F.embedding(inverse, weight, padding_idx, None, base.norm_type, base.scale_grad_by_freq, False)
+
+    # ----------------------------------------------------------------------------------------------- merging
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Write the grafted values into the base tensors (exactly: unmerge restores the saved originals)."""
+        for adapter_name in check_adapters_to_merge(self, adapter_names):
+            if self.is_learning(adapter_name):
+                raise ValueError(f"Adapter {adapter_name!r} is still learning its region: harden it before merging.")
+            # A layer storing nothing for this adapter (e.g. only applying a tied tensor) still records the merge,
+            # so that its forward does not apply the (already merged) tied entries again.
+            stored_here = adapter_name in self.graft_values
+            if stored_here:
+                self.check_base(adapter_name)
+            backup = []
+            for attr in self.stored_attrs:
+                entries = self.sparse_entries(adapter_name, attr) if stored_here else None
+                if entries is None:
+                    backup.append(None)
+                    continue
+                indices, values = entries
+                flat = getattr(self.base_layer, attr).data.view(-1)
+                original = flat[indices].clone()
+                merged = (original.float() + values.detach()).to(flat.dtype)
+                if safe_merge and not torch.isfinite(merged).all():
+                    raise ValueError(f"NaNs detected in the merged weights of adapter {adapter_name!r}.")
+                flat[indices] = merged
+                backup.append(original)
+            self._merge_backup[adapter_name] = backup
+            self.merged_adapters.append(adapter_name)
+
+    def unmerge(self) -> None:
+        """Restore the base tensors bit for bit, most recently merged adapter first."""
+        while self.merged_adapters:
+            adapter_name = self.merged_adapters.pop()
+            for attr, original in zip(self.stored_attrs, self._merge_backup.pop(adapter_name), strict=True):
+                if original is not None:
+                    indices, _ = self.sparse_entries(adapter_name, attr)
+                    getattr(self.base_layer, attr).data.view(-1)[indices] = original
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        self.fingerprints.pop(adapter_name, None)
+        self.verify_base.pop(adapter_name, None)
+
+    def __repr__(self) -> str:
+        return "graft." + super().__repr__()
+
+
+def _entries_of(
+    space: FlatIndexSpace, indices: torch.Tensor, values: torch.Tensor, attr: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(local indices, values)`` of the sorted flat ``indices`` that fall in tensor ``attr``, or ``None``."""
+    for name, local, position in space.split(indices):
+        if name == attr:
+            return local, values[position]
+    return None
+
+
+def _rebuilder(layer: GraftLayer, adapter_name: str):
+    """A function recomputing ``layer``'s soft parameters of ``adapter_name`` (for ``RecomputeSoftParameters``)."""
+    return lambda: layer.soft_parameters(adapter_name, recomputing=True)

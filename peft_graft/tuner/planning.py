@@ -1,0 +1,124 @@
+"""Planning: what injecting one graft adapter does to each module, decided before peft walks the model.
+
+A pure stage: it reads the pre-trained model's structure and values, theta_ft and the config, and returns a
+:class:`Plan`; it changes nothing. ``theta_ft -> movement -> region (strategy) -> per-module entries`` for a new graft,
+or the saved per-module entry counts for a loaded one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..parameter_layout import Layout
+from ..regions import Region, RegionRequest, choose_region, top_k_movement
+from ..scores.movement import compute_movement, eligible_tensors, finetuned_tensor, is_saved_whole, load_finetuned
+from .config import GraftConfig
+
+_EMPTY = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+
+
+@dataclass
+class LearningPlan:
+    """The state to learn a module's region: movement, ``gamma_base`` positions in it, and the search space.
+
+    Dense (``search_indices=None``): ``movement`` covers the module's whole flat index space and ``base_region`` holds
+    flat indices. Otherwise ``movement`` covers the sorted flat ``search_indices`` only and ``base_region`` holds
+    positions among them.
+    """
+
+    movement: torch.Tensor
+    base_region: torch.Tensor
+    search_indices: torch.Tensor | None = None
+
+
+@dataclass
+class Plan:
+    """What injecting one adapter does, per module (names relative to the base model)."""
+
+    layout: Layout
+    targets: set[str] = field(default_factory=set)  # modules to wrap: storage modules and users of tied tensors
+    entries: dict[str, int] = field(default_factory=dict)  # storage module -> number of grafted entries
+    regions: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (indices, values)
+    learning: dict[str, LearningPlan] = field(default_factory=dict)  # modules whose region is learned
+    saved_whole: dict[str, torch.Tensor] = field(default_factory=dict)  # theta_ft of modules_to_save tensors
+
+
+def plan_loaded_graft(config: GraftConfig, layout: Layout) -> Plan:
+    """Empty hard regions of the recorded sizes, to be filled by loading the saved entries."""
+    unknown = sorted(set(config.grafted_modules) - set(layout.stored))
+    if unknown:
+        raise ValueError(
+            f"This graft was made for another architecture: modules {unknown[:5]} hold no parameter of this model."
+        )
+    return Plan(layout, layout.application_modules(set(config.grafted_modules)), dict(config.grafted_modules))
+
+
+def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Plan:
+    """A new graft: theta_ft -> movement -> region (``config.region`` strategy) -> per-module entries."""
+    if config._finetuned is None:
+        raise ValueError("GraftConfig needs finetuned=<model, path, Hub id or state dict> to create a graft.")
+    state = load_finetuned(config._finetuned, model)
+    eligible = eligible_tensors(layout, config.include_parameters, config.exclude_parameters, config.modules_to_save)
+    movement = compute_movement(state, layout, eligible, config.only_moved)
+    if not movement:
+        raise ValueError("No eligible tensor moved during fine-tuning: check finetuned and the parameter filters.")
+    request = RegionRequest(movement, config.budget, layout, config.seed, config._given_region)
+    region = choose_region(config.region, request)
+    plan = Plan(layout)
+    pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, indices in region.items():
+        info = layout.tensors[name]
+        start = layout.index_space(info.module).start(info.attr)
+        pieces.setdefault(info.module, []).append((indices + start, movement[name].reshape(-1)[indices]))
+    for module, parts in pieces.items():
+        indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        order = indices.argsort()
+        plan.regions[module] = (indices[order], values[order])
+    if config.learn_region and config.searches_subset:
+        _plan_search_space(plan, config, movement, region)
+    elif config.learn_region:
+        _plan_dense_learning(plan, movement)
+    plan.entries = {m: int(idx.numel()) for m, (idx, _) in plan.regions.items()}
+    plan.targets = layout.application_modules(set(plan.regions))
+    for name, info in layout.tensors.items():  # whole tensors of modules_to_save (e.g. a new head)
+        saved_whole = any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases)
+        if info.parameter.is_floating_point() and name not in movement and saved_whole:
+            plan.saved_whole[name] = finetuned_tensor(state, layout, name)
+    return plan
+
+
+def _plan_dense_learning(plan: Plan, movement: dict[str, torch.Tensor]) -> None:
+    """The paper's search space: S over every entry of each module holding a moved tensor."""
+    layout = plan.layout
+    for module in {layout.tensors[name].module for name in movement}:
+        flat = [
+            movement[info.name].reshape(-1) if info.name in movement else torch.zeros(info.parameter.numel())
+            for info in (layout.by_site[(module, attr)] for attr in layout.stored[module])
+        ]
+        plan.learning[module] = LearningPlan(torch.cat(flat), plan.regions.get(module, _EMPTY)[0])
+        plan.regions.setdefault(module, _EMPTY)
+
+
+def _plan_search_space(plan: Plan, config: GraftConfig, movement: dict[str, torch.Tensor], region: Region) -> None:
+    """S on the search space only: the top movement entries (``search_fraction``/``search_entries``) plus the region."""
+    layout = plan.layout
+    size = config.search_space_size(sum(d.numel() for d in movement.values()))
+    chosen = top_k_movement(movement, size) | region
+    for module in sorted({layout.tensors[name].module for name in chosen}):
+        space = layout.index_space(module)
+        indices, values = [], []
+        for attr in layout.stored[module]:
+            name = layout.by_site[(module, attr)].name
+            if name in chosen:
+                local = chosen[name]
+                indices.append(local + space.start(attr))
+                values.append(movement[name].reshape(-1)[local].float())
+        search = torch.cat(indices)  # sorted: tensors in offset order, each Region entry sorted
+        base = plan.regions.get(module, _EMPTY)[0]
+        plan.learning[module] = LearningPlan(
+            torch.cat(values), torch.searchsorted(search, base.to(torch.int64)), search
+        )
+        plan.regions.setdefault(module, _EMPTY)
