@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import example_utils as U  # examples/ is on sys.path when a script there runs
 from transformers import DataCollatorWithPadding, HfArgumentParser, TrainingArguments, set_seed
 
+from peft_graft import MovementL1Trainer
 from peft_graft.calibration import make_compute_metrics
-from peft_graft.penalties import MovementL1Trainer
 
 logger = logging.getLogger(__name__)
 

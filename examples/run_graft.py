@@ -52,18 +52,16 @@ class GraftArguments:
         default=True,
         metadata={"help": "Keep exactly |gamma_base| entries after training (else round(gamma), the paper)."},
     )
-    candidates: float | None = field(
+    search_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Learn S only on the top fraction (<= 1) or number (> 1) of entries by movement plus gamma_base "
-            "(GraftConfig.candidates; not in the paper, cheaper). Default: S on every entry, as the paper."
+            "help": "Learn S only on this fraction of the entries (top movement) plus gamma_base (GraftConfig."
+            "search_fraction; not in the paper, cheaper). Default: S on every entry, as the paper."
         },
     )
-
-
-def _count_or_fraction(value: float) -> float | int:
-    """``GraftConfig.candidates`` takes a fraction (float) or a count (int): ``5000.0`` on the command line is 5000."""
-    return int(value) if value > 1 and value == int(value) else value
+    search_entries: int | None = field(
+        default=None, metadata={"help": "Learn S only on this many top-movement entries plus gamma_base."}
+    )
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
@@ -93,7 +91,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         region=graft_args.region,
         seed=training_args.seed,
         learn_region=True,
-        candidates=None if graft_args.candidates is None else _count_or_fraction(graft_args.candidates),
+        search_fraction=graft_args.search_fraction,
+        search_entries=graft_args.search_entries,
         modules_to_save=U.modules_to_save(setup),
     )
     model = get_peft_model(pre, config)

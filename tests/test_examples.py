@@ -278,12 +278,15 @@ def test_graft_saves_a_loadable_sparse_graft(assets, finetuned, grafted, head):
     assert model(**batch).logits.shape == (1, 2)
 
 
-@pytest.mark.parametrize(("value", "expected"), [("0.5", 0.5), ("40", 40), ("1", 1.0)])
-def test_graft_candidates_option(assets, finetuned, tmp_path, value, expected):
-    results = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path, "--candidates", value))
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [("--search_fraction", "0.5", 0.5), ("--search_entries", "40", 40), ("--search_fraction", "1", 1.0)],
+)
+def test_graft_search_space_options(assets, finetuned, tmp_path, flag, value, expected):
+    results = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path, flag, value))
     assert results["grafted_entries"] > 0
-    saved = json.loads((tmp_path / "adapter_config.json").read_text())["candidates"]
-    assert repr(saved) == repr(expected)  # "40" is a count (int), "1" the fraction 1.0 (every entry)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())[flag.removeprefix("--")]
+    assert repr(saved) == repr(expected)
 
 
 def test_graft_resumes_from_its_checkpoint(assets, finetuned, tmp_path):
