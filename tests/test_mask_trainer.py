@@ -32,22 +32,30 @@ class Probe(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
-def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement(tmp_path):
-    """theta_ft = theta_pre + 4 planted entries (+3, they solve the task) + large noise on all other entries."""
-    torch.manual_seed(0)
-    d, n, planted = 64, 512, 4
+def _probe_task(seed: int = 0, planted: int = 4):
+    """A probe whose fine-tuning planted ``planted`` entries that solve the task, plus noise everywhere else."""
+    torch.manual_seed(seed)
+    d, n = 64, 512
     pre = Probe(d)
     with torch.no_grad():
         pre.fc.weight.mul_(0.1)
         pre.fc.bias.zero_()
     x = torch.randn(n, d)
-    data = Dataset.from_dict({"x": x.tolist(), "labels": (x[:, :planted].sum(1) > 0).long().tolist()})
+    labels = (x[:, :planted].sum(1) > 0).long()
     finetuned = copy.deepcopy(pre)
     noise = torch.Generator().manual_seed(1)
     with torch.no_grad():
         finetuned.fc.weight[0, :planted] += 3.0
         finetuned.fc.weight[0, planted:] += torch.randn(d - planted, generator=noise) * 2.0
         finetuned.fc.bias += torch.randn(1, generator=noise) * 2.0
+    return pre, finetuned, x, labels
+
+
+def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement(tmp_path):
+    """theta_ft = theta_pre + 4 planted entries (+3, they solve the task) + large noise on all other entries."""
+    planted = 4
+    pre, finetuned, x, labels = _probe_task(planted=planted)
+    data = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
 
     def accuracy(p):
         return {"accuracy": float(((p.predictions > 0) == p.label_ids).mean())}
@@ -73,25 +81,6 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
         results[strategy] = (iou(model.get_region()), trainer.evaluate()["eval_accuracy"])
     assert results["empty"][0] >= 0.75 and results["empty"][1] >= 0.95, results
     assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
-
-
-def _probe_task(seed: int = 0, planted: int = 4):
-    """A probe whose fine-tuning planted ``planted`` entries that solve the task, plus noise everywhere else."""
-    torch.manual_seed(seed)
-    d, n = 64, 512
-    pre = Probe(d)
-    with torch.no_grad():
-        pre.fc.weight.mul_(0.1)
-        pre.fc.bias.zero_()
-    x = torch.randn(n, d)
-    labels = (x[:, :planted].sum(1) > 0).long()
-    finetuned = copy.deepcopy(pre)
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        finetuned.fc.weight[0, :planted] += 3.0
-        finetuned.fc.weight[0, planted:] += torch.randn(d - planted, generator=noise) * 2.0
-        finetuned.fc.bias += torch.randn(1, generator=noise) * 2.0
-    return pre, finetuned, x, labels
 
 
 def _accuracy(p):

@@ -85,29 +85,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.fingerprints[adapter_name] = self.base_values(indices[:2]).tolist()
         self.verify_base.setdefault(adapter_name, True)
 
-    def start_learning(
-        self,
-        adapter_name: str,
-        movement: torch.Tensor,
-        base_region: torch.Tensor,
-        score_init: float,
-        search_indices: torch.Tensor | None = None,
-        score_init_width: float = 0.0,
-        generator: torch.Generator | None = None,
-    ) -> RegionLearner:
-        """Attach the state to learn this adapter's region here (see :class:`RegionLearner`)."""
-        device = self._device()
-        learner = RegionLearner(
-            self.space,
-            movement.to(device),
-            base_region.to(device),
-            score_init,
-            None if search_indices is None else search_indices.to(device),
-            score_init_width,
-            generator,
-        )
-        self.graft_learning[adapter_name] = learner
-        return learner
+    def start_learning(self, adapter_name: str, learner: RegionLearner) -> None:
+        """Attach the state to learn this adapter's region here, on the base layer's device."""
+        self.graft_learning[adapter_name] = learner.to(self._device())
+        learner.movement = learner.movement.to(learner.scores.device)
 
     def stop_learning(self, adapter_name: str) -> None:
         """Release the learning state of ``adapter_name`` (its hard region stays)."""

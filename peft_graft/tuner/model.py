@@ -81,8 +81,8 @@ class GraftModel(BaseTuner):
             learning = plan.learning[current_key]
             # Seeded by module name: the same S on every process, whatever the order modules are visited in.
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + zlib.crc32(current_key.encode()))
-            layer.start_learning(
-                adapter_name,
+            learner = RegionLearner(
+                layer.space,
                 learning.movement,
                 learning.base_region,
                 config.score_init,
@@ -90,6 +90,7 @@ class GraftModel(BaseTuner):
                 config.score_init_width,
                 generator,
             )
+            layer.start_learning(adapter_name, learner)
         if adapter_name not in self.active_adapters:
             layer.requires_grad_(False)
 
