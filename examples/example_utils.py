@@ -9,6 +9,7 @@ a local folder or a Hub model id. Local tables are read with pandas (no ``load_d
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 HEADS = ("classification", "mlm_prompt", "causal_prompt")
 TABLE_SUFFIXES = {".csv": ",", ".tsv": "\t", ".txt": "\t"}
+# Tab-separated text files are read as plain UTF-8 lines split at tabs: their texts may hold unbalanced '"' characters,
+# which csv quoting would join across lines.
+UNQUOTED_SUFFIXES = (".tsv", ".txt")
 SETUP_FILE = "graft_example.json"
 DEFAULT_TEMPLATES = {"mlm_prompt": "{sentence} It was {mask}.", "causal_prompt": "Review: {sentence} Sentiment:"}
 # The heads AutoModelForSequenceClassification adds (BERT-like: classifier, decoder-only: score). A pre-trained
@@ -241,7 +245,9 @@ def read_table(
     path = Path(name_or_path)
     if path.is_file():
         suffix = path.suffix.lower()
-        if suffix in TABLE_SUFFIXES:
+        if suffix in UNQUOTED_SUFFIXES:
+            frame = read_tab_separated(path)
+        elif suffix in TABLE_SUFFIXES:
             frame = pd.read_csv(path, sep=TABLE_SUFFIXES[suffix])
         elif suffix in (".json", ".jsonl"):
             frame = pd.read_json(path, lines=suffix == ".jsonl")
@@ -272,6 +278,11 @@ def read_table(
         )
     frame = frame[[text_column, label_column]].rename(columns={text_column: "text", label_column: "label"})
     return frame.dropna().reset_index(drop=True)
+
+
+def read_tab_separated(path: str | os.PathLike) -> pd.DataFrame:
+    """A UTF-8 tab-separated file with a header line, quotes taken literally (one line, one row)."""
+    return pd.read_csv(path, sep="\t", encoding="utf-8", quoting=csv.QUOTE_NONE)
 
 
 def label_names_of(frame: pd.DataFrame) -> list[str]:

