@@ -181,3 +181,30 @@ def test_wrong_base_is_refused_at_first_use(saved):
     with pytest.raises(ValueError, match="made for a different pre-trained model"):
         model = PeftModel.from_pretrained(make_bert_cls().eval(), saved)
         model(input_ids=input_ids())
+
+
+def test_given_masks_must_have_the_parameters_shapes():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    name, param = next((n, p) for n, p in pre.named_parameters() if p.dim() == 2 and p.shape[0] != p.shape[1])
+    transposed = torch.zeros(param.shape[::-1], dtype=torch.bool)
+    transposed[0, :3] = True
+    config = GraftConfig(finetuned=finetuned, region="given", given_region={name: transposed}, task_type=task_type)
+    with pytest.raises(ValueError, match=r"has shape .* pass a mask of the parameter's own shape"):
+        get_peft_model(clone_model(pre), config)
+
+
+@pytest.mark.parametrize("field", ["include_parameters", "exclude_parameters"])
+def test_bad_regex_names_the_field(field):
+    with pytest.raises(ValueError, match=f"{field}: '\\(unclosed' is not a valid regular expression"):
+        GraftConfig(**{field: ["ok", "(unclosed"]})
+
+
+def test_reusing_a_config_object_for_a_second_adapter_is_refused():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    config = GraftConfig(finetuned=finetuned, num_entries=20, task_type=task_type)
+    model = get_peft_model(clone_model(pre), config)
+    with pytest.raises(ValueError, match="already describes adapter 'default'"):
+        model.add_adapter("b", config)
+    assert list(model.peft_config) == ["default"]  # nothing half-added
+    model.add_adapter("b", GraftConfig(finetuned=finetuned, num_entries=20, region="random", task_type=task_type))
+    assert model.base_model.get_region("b").num_entries == 20

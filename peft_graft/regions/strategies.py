@@ -148,6 +148,14 @@ def given_region(request: RegionRequest) -> Region:
     if isinstance(given, (str, os.PathLike)):
         given = saved_region(given, request.layout)
     elif isinstance(given, Mapping) and not isinstance(given, Region):
+        for name, mask in given.items():
+            info = request.layout.tensors.get(name)
+            shape = getattr(mask, "shape", None)
+            if info is not None and shape is not None and tuple(shape) != tuple(info.parameter.shape):
+                raise ValueError(
+                    f"given_region mask {name!r} has shape {tuple(shape)} but the parameter has shape "
+                    f"{tuple(info.parameter.shape)}: pass a mask of the parameter's own shape."
+                )
         given = Region.from_masks(given)
     if not isinstance(given, Region):
         raise TypeError(f"given_region must be masks, a Region or a saved graft path, got {type(given).__name__}.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -130,6 +131,13 @@ class GraftConfig(PeftConfig):
                 _check_fraction("sparsity", self.sparsity, "e.g. 1e-4 grafts 0.01%")
         if self.num_entries is not None:
             _check_count("num_entries", self.num_entries)
+        for name in ("include_parameters", "exclude_parameters"):
+            patterns = getattr(self, name)
+            for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
+                try:
+                    re.compile(pattern)
+                except (re.error, TypeError) as error:
+                    raise ValueError(f"{name}: {pattern!r} is not a valid regular expression ({error}).") from error
         for name in ("score_init", "score_init_width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -45,6 +45,14 @@ class GraftModel(BaseTuner):
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         config: GraftConfig = self.peft_config[adapter_name]
+        shared = [name for name, other in self.peft_config.items() if other is config and name != adapter_name]
+        if shared:
+            del self.peft_config[adapter_name]
+            raise ValueError(
+                f"This GraftConfig object already describes adapter {shared[0]!r} (a graft records its entries in its "
+                f"config): give adapter {adapter_name!r} its own GraftConfig(finetuned=..., ...), or load a saved "
+                "graft with load_adapter."
+            )
         layout = build_layout(model)
         self._plan = plan_loaded_graft(config, layout) if config.is_created else plan_new_graft(model, config, layout)
         # The config fully determines the targets; peft's key-based injection from a state dict would miss tied users.
