@@ -1,21 +1,52 @@
 #!/usr/bin/env python
-"""Compare a fine-tuned model with its graft(s), in and out of distribution, and sweep region sizes (paper Figure 2).
+"""Compare a fine-tuned model with its grafts and with baseline regions, in and out of distribution (paper Figure 2).
 
-For each evaluation set: accuracy (and F1), ECE and the other calibration metrics of
-:func:`peft_graft.calibration.calibration_report` for the fine-tuned model, the graft and the pre-trained model (with
-the fine-tuned head, for a classification head), plus the graft's agreement with the fine-tuned model. The sweep
-evaluates, at the size of every given graft (and at ``--sweep_num_entries``), the learned region, the top-k movement
-region and a random region. Writes ``results.json``, ``summary.md`` and PNG figures into ``--report_dir``.
+Every model gets the full :func:`peft_graft.calibration.calibration_report` (accuracy, ECE, MCE, adaptive and
+class-wise ECE, Brier, NLL, agreement with the fine-tuned model) on every evaluation set:
+
+* the fine-tuned model;
+* the 0-entry graft: the pre-trained model with the fine-tuned classification head (prompt heads: the pre-trained
+  model zero-shot);
+* for every graft of ``--graft_dirs`` (a learned region of k entries): the learned graft, the graft of the top-k
+  movement region and the graft of a random region of the same k (``--sweep_random_seed``).
+
+Each model's logits are computed once per set (and on ``--temperature_dataset``); the metrics, the temperature
+scaling and the sweep points at the graft sizes all reuse them, and each model is freed once predicted.
+
+``--temperature_dataset`` (read like the evaluation sets: ``--eval_split``, ``--text_column``, ``--label_column``,
+``--max_eval_samples``) fits one temperature per model on that set (temperature scaling, Guo et al. 2017, the
+post-hoc calibration baseline) and adds a "+ TS" row per model and set: the report of the scaled logits (same
+accuracy, other ECE, Brier, NLL).
+
+The region-size sweep (``--sweep``, on by default; ``--sweep false`` skips it and its figure) plots accuracy on the
+first evaluation set (at most ``--sweep_max_samples`` examples) against region size: the learned regions, and the
+top-k movement and random regions at the graft sizes and at ``--sweep_num_entries``.
+
+Multi-class tasks work throughout (reliability diagrams are top-label). ``--f1`` reports binary F1 (of class 1,
+MRPC/QQP style) and needs a 2-class task: it is a ValueError on a task with more classes.
+
+Writes into ``--report_dir``:
+
+* ``results.json``: ``metrics`` (evaluation set -> model name -> report), ``models`` (model name -> kind, entries,
+  temperature; in table order), ``eval_sets``, ``grafts``, ``graft_stats`` (the first graft), ``pretrained_name``,
+  ``temperature_scaling`` (None without a temperature set), the sweep (``sweep``, ``sweep_references``,
+  ``sweep_set``, ``sweep_examples``; absent with ``--sweep false``) and ``timings``;
+* ``summary.md``: a table per evaluation set (model | entries | accuracy % | ECE % | MCE % | Brier | NLL | agreement
+  with FT %; with ``--f1`` an F1 % column after accuracy), the fitted temperatures, the sweep table and the run
+  times;
+* ``reliability_<model>_<set>.png`` (``fine-tuned`` and ``graft``, the first graft, and with a temperature set
+  ``fine-tuned_TS`` and ``graft_TS``), ``graft_locations.png`` and ``sweep_accuracy.png``.
 
 Example::
 
     python examples/run_evaluate.py --model_name_or_path <pre> --finetuned_model_name_or_path outputs/ft \
         --graft_dirs outputs/graft --eval_datasets mr_test.csv amazon.csv --eval_names in-dist OOD \
-        --report_dir reports/mr
+        --temperature_dataset mr_dev.csv --report_dir reports/mr
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -30,29 +61,48 @@ from peft import PeftModel, get_peft_model
 from transformers import DataCollatorWithPadding, HfArgumentParser, Trainer, TrainingArguments
 
 from peft_graft import GraftConfig
-from peft_graft.calibration import calibration_report, f1_score, reliability_diagram, save_figure
+from peft_graft.calibration import calibration_report, f1_score, fit_temperature, reliability_diagram, save_figure
 
 logger = logging.getLogger(__name__)
+
+TS = " + TS"
+"""Suffix of a temperature-scaled model's name."""
+BASELINES = (("movement", "top-k movement"), ("random", "random"))
+"""(GraftConfig region, model kind) of the baseline regions evaluated at every graft size."""
 
 
 @dataclass
 class EvaluateArguments:
-    """The grafts, the evaluation sets, the sweep and the report."""
+    """The grafts, the evaluation sets, temperature scaling, the sweep and the report."""
 
     graft_dirs: list[str] = field(
-        metadata={"help": "Graft folders (run_graft.py); the first is the main graft, all are sweep points."}
+        metadata={
+            "help": "Graft folders (run_graft.py), one learned region each; the first is the main graft (graft_stats, "
+            "figures). Each is compared with the top-k movement and a random region of its size."
+        }
     )
     eval_datasets: list[str] = field(metadata={"help": "Evaluation sets: local files/folders or Hub ids."})
     eval_names: list[str] | None = field(default=None, metadata={"help": "A name per evaluation set."})
     eval_split: str = field(default="validation", metadata={"help": "Split of Hub/on-disk evaluation sets."})
-    f1: bool = field(default=False, metadata={"help": "Also report binary F1 (MRPC/QQP style)."})
+    temperature_dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Held-out set (read like the evaluation sets) to fit one temperature per model on: adds a "
+            "temperature-scaled ('+ TS') row per model and evaluation set."
+        },
+    )
+    f1: bool = field(default=False, metadata={"help": "Also report binary F1 (MRPC/QQP style); 2-class tasks only."})
+    sweep: bool = field(
+        default=True,
+        metadata={"help": "Run the region-size sweep and draw sweep_accuracy.png ('--sweep false' skips both)."},
+    )
     sweep_num_entries: list[int] | None = field(
         default=None, metadata={"help": "Extra region sizes for the top-k movement and random regions."}
     )
     sweep_max_samples: int | None = field(
         default=1000, metadata={"help": "Examples of the first evaluation set used by the sweep."}
     )
-    sweep_random_seed: int = field(default=0, metadata={"help": "Seed of the random regions."})
+    sweep_random_seed: int = field(default=0, metadata={"help": "Seed of the random regions (baselines and sweep)."})
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "Prediction batch size."})
     report_dir: str = field(default="reports/graft", metadata={"help": "Where to write the report."})
     timings_json: str | None = field(default=None, metadata={"help": "JSON of stage run times to put in the summary."})
@@ -99,6 +149,13 @@ def sweep_model(pre: str, setup, tokenizer, finetuned, strategy: str, k: int, se
     return get_peft_model(U.load_model(pre, setup, tokenizer), config)
 
 
+def free_memory() -> None:
+    """Give a deleted model's accelerator memory back (host memory goes with its last reference)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def plot_sweep(sweep: dict[str, dict[int, float]], references: dict[str, float], title: str) -> Figure:
     fig = Figure(figsize=(6, 4), dpi=120)
     ax = fig.add_subplot()
@@ -131,46 +188,85 @@ def plot_locations(per_layer: dict, per_module_type: dict, title: str) -> Figure
     return fig
 
 
-def _row(name: str, data: str, report: dict[str, float], entries: str, sparsity: str) -> str:
-    agreement = f"{100 * report['agreement']:.1f}" if "agreement" in report else "-"
-    return (
-        f"| {name} | {data} | {100 * report['accuracy']:.1f} | {100 * report['ece']:.1f} | {100 * report['brier']:.1f} "
-        f"| {report['nll']:.3f} | {agreement} | {entries} | {sparsity} |"
-    )
+def _accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    return calibration_report(logits, labels, input_type="logits", metrics=["accuracy"])["accuracy"]
+
+
+# ------------------------------------------------------------------------------------------------------- summary
+def _percent(report: dict[str, float], key: str, digits: int = 1) -> str:
+    return f"{100 * report[key]:.{digits}f}" if key in report else "-"
+
+
+def _row(label: str, entries: str, report: dict[str, float], f1: bool) -> str:
+    cells = [label, entries, _percent(report, "accuracy")]
+    cells += [_percent(report, "f1")] if f1 else []
+    cells += [_percent(report, "ece", 2), _percent(report, "mce"), f"{report['brier']:.4f}", f"{report['nll']:.4f}"]
+    cells.append(_percent(report, "agreement"))
+    return "| " + " | ".join(cells) + " |"
 
 
 def summary_markdown(results: dict) -> str:
-    """The summary table (FT vs graft vs pre-trained, per evaluation set), the sweep table and the run times."""
-    lines = [
-        "| model | eval set | accuracy % | ECE % | Brier % | NLL | agreement with FT % | grafted entries | sparsity |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    """A table per evaluation set (every model, in ``results["models"]`` order), the fitted temperatures, the sweep
+    table (when the sweep ran) and the run times."""
+    models, metrics = results["models"], results["metrics"]
+    f1 = any("f1" in report for reports in metrics.values() for report in reports.values())
+    header = ["model", "entries", "accuracy %", *(["F1 %"] if f1 else []), "ECE %", "MCE %", "Brier", "NLL",
+              "agreement with FT %"]  # fmt: skip
+    lines = []
+    for data, reports in metrics.items():
+        examples = results.get("eval_sets", {}).get(data, {}).get("examples")
+        lines += [f"### {data}" + (f" ({examples:,} examples)" if examples else ""), ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        for name, info in models.items():
+            if name in reports:
+                entries = "all (dense)" if info["entries"] is None else f"{info['entries']:,}"
+                lines.append(_row(info.get("label", name), entries, reports[name], f1))
+        lines.append("")
     stats = results["graft_stats"]
-    for data, models in results["metrics"].items():
-        lines.append(_row("fine-tuned", data, models["fine-tuned"], "all (dense)", "100%"))
-        lines.append(
-            _row("graft", data, models["graft"], f"{stats['num_entries']:,}", f"{100 * stats['sparsity']:.4f}%")
-        )
-        lines.append(_row(results["pretrained_name"], data, models["pretrained"], "0", "0%"))
-    lines += ["", f"Stored whole in the graft (new classification head): {stats['modules_to_save_parameters']:,} "
-              f"parameters. Sparsity = grafted entries / all {stats['num_parameters']:,} parameters.", ""]  # fmt: skip
-    sweep = results["sweep"]
-    sizes = sorted({int(k) for points in sweep.values() for k in points})
+    grafts = ", ".join(f"{g['num_entries']:,} entries ({100 * g['sparsity']:.4f}%, {Path(g['dir']).name})"
+                       for g in results.get("grafts", []))  # fmt: skip
     lines += [
-        f"Region-size sweep on {results['sweep_set']} ({results['sweep_examples']} examples), accuracy %:",
+        f"Learned grafts: {grafts}. Sparsity = grafted entries / all {stats['num_parameters']:,} parameters; stored "
+        f"whole in each graft (new classification head): {stats['modules_to_save_parameters']:,} parameters. "
+        "Top-k movement and random: regions of the same size. Agreement: same prediction as the fine-tuned model.",
         "",
-        "| region | " + " | ".join(f"{k:,}" for k in sizes) + " |",
-        "| --- | " + " | ".join("---" for _ in sizes) + " |",
     ]
-    for name, points in sweep.items():
-        cells = [f"{100 * points[str(k)]:.1f}" if str(k) in points else "-" for k in sizes]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    scaling = results.get("temperature_scaling")
+    if scaling:
+        lines += [
+            f"Temperature scaling (+ TS): one temperature per model, fitted on {scaling['dataset']} "
+            f"({scaling['examples']:,} examples) by NLL; accuracy and agreement are unchanged.",
+            "",
+            "| model | temperature | NLL before | NLL after |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, temperature in scaling["temperatures"].items():
+            label = models.get(name, {}).get("label", name)
+            entries = models.get(name, {}).get("entries")
+            label += "" if entries in (None, 0) else f" ({entries:,})"
+            lines.append(f"| {label} | {temperature:.3f} | {scaling['nll_before'][name]:.4f} | "
+                         f"{scaling['nll_after'][name]:.4f} |")  # fmt: skip
+        lines.append("")
+    sweep = results.get("sweep")
+    if sweep:
+        sizes = sorted({int(k) for points in sweep.values() for k in points})
+        lines += [
+            f"Region-size sweep on {results['sweep_set']} ({results['sweep_examples']} examples), accuracy %:",
+            "",
+            "| region | " + " | ".join(f"{k:,}" for k in sizes) + " |",
+            "| --- | " + " | ".join("---" for _ in sizes) + " |",
+        ]
+        for name, points in sweep.items():
+            cells = [f"{100 * points[str(k)]:.1f}" if str(k) in points else "-" for k in sizes]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     if results.get("timings"):
-        lines += ["", "| stage | run time (s) |", "| --- | --- |"]
+        lines += ["| stage | run time (s) |", "| --- | --- |"]
         lines += [f"| {stage} | {seconds:.0f} |" for stage, seconds in results["timings"].items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
+# ------------------------------------------------------------------------------------------------------- main
 def main(args: list[str] | None = None) -> dict:
     """Parse ``args`` (default: ``sys.argv``), evaluate, write the report, and return the results."""
     parser = HfArgumentParser((U.GraftModelArguments, U.DatasetArguments, EvaluateArguments))
@@ -180,17 +276,24 @@ def main(args: list[str] | None = None) -> dict:
     names = eval_args.eval_names or [Path(d).stem for d in eval_args.eval_datasets]
     if len(names) != len(eval_args.eval_datasets):
         raise ValueError(f"eval_names has {len(names)} names for {len(eval_args.eval_datasets)} eval_datasets.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval_names must be distinct, got {names}.")
     report_dir = Path(eval_args.report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
 
-    # The task set-up saved by run_finetune.py, the evaluation sets, and the three models.
+    # The task set-up saved by run_finetune.py and the data.
     pre, ft = model_args.model_name_or_path, model_args.finetuned_model_name_or_path
     setup = U.TaskSetup.load(ft)
     if setup is None:
         raise ValueError(f"{ft!r} has no {U.SETUP_FILE}: evaluate a model fine-tuned with examples/run_finetune.py.")
+    if eval_args.f1 and setup.num_labels != 2:
+        raise ValueError(
+            f"--f1 reports binary F1 (of class 1) and needs a 2-class task, but {ft!r} has {setup.num_labels} "
+            f"classes {setup.label_names}. Drop --f1: accuracy and the calibration metrics cover any number of classes."
+        )
+    report_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = U.load_tokenizer(ft, setup.head)
-    datasets = {}
-    for name, path in zip(names, eval_args.eval_datasets, strict=True):
+
+    def load_set(path: str):
         frame = U.read_table(
             path,
             eval_args.eval_split,
@@ -201,83 +304,175 @@ def main(args: list[str] | None = None) -> dict:
         frame = U.encode_labels(frame, setup.label_names)
         if dataset_args.max_eval_samples is not None:
             frame = frame.sample(frac=1.0, random_state=0).iloc[: dataset_args.max_eval_samples]
-        datasets[name] = U.by_length(U.tokenize(frame, tokenizer, setup))
-        logger.info("Evaluation set %s: %d examples", name, len(datasets[name]))
+        return U.by_length(U.tokenize(frame, tokenizer, setup))
 
-    predict = Predictor(tokenizer, eval_args.per_device_eval_batch_size, str(report_dir / "tmp"))
-    finetuned = U.load_model(ft, setup, tokenizer)
-    pretrained = pretrained_with_head(pre, setup, tokenizer, finetuned)
-    graft = PeftModel.from_pretrained(U.load_model(pre, setup, tokenizer), eval_args.graft_dirs[0])
-    stats = graft.graft_stats()
-    models = {"fine-tuned": finetuned, "graft": graft, "pretrained": pretrained}
+    datasets = {name: load_set(path) for name, path in zip(names, eval_args.eval_datasets, strict=True)}
+    for name, dataset in datasets.items():
+        logger.info("Evaluation set %s: %d examples", name, len(dataset))
+    temperature_data = None
+    if eval_args.temperature_dataset is not None:
+        temperature_data = load_set(eval_args.temperature_dataset)
+        logger.info("Temperature set %s: %d examples", eval_args.temperature_dataset, len(temperature_data))
+    labels = {data: np.asarray(dataset["labels"]) for data, dataset in datasets.items()}
 
-    metrics, logits = {}, {}
-    for data, dataset in datasets.items():
-        labels = np.asarray(dataset["labels"])
-        logits[data] = {name: predict(model, dataset) for name, model in models.items()}
-        metrics[data] = {}
-        for name in models:
-            reference = None if name == "fine-tuned" else logits[data]["fine-tuned"]
-            report = calibration_report(logits[data][name], labels, input_type="logits", reference_preds=reference)
-            if eval_args.f1:
-                report["f1"] = f1_score(logits[data][name], labels, "binary", input_type="logits")
-            metrics[data][name] = report
-        for name in ("fine-tuned", "graft"):
-            fig = reliability_diagram(logits[data][name], labels, input_type="logits", title=f"{name}, {data}")
-            save_figure(fig, report_dir / f"reliability_{name}_{data}.png")
-
-    # Sweep (paper Figure 2): learned regions vs top-k movement and random regions of the same sizes.
+    # The sweep's examples: a sample of the first evaluation set (its cached logits serve the sweep at graft sizes).
     sweep_set = names[0]
-    sweep_data = datasets[sweep_set]
-    if eval_args.sweep_max_samples is not None and len(sweep_data) > eval_args.sweep_max_samples:
-        picked = np.random.default_rng(0).choice(len(sweep_data), eval_args.sweep_max_samples, replace=False)
-        sweep_data = sweep_data.select(sorted(picked.tolist()))
-    sweep_labels = np.asarray(sweep_data["labels"])
+    picked = np.arange(len(datasets[sweep_set]))
+    if eval_args.sweep_max_samples is not None and len(picked) > eval_args.sweep_max_samples:
+        picked = np.sort(np.random.default_rng(0).choice(len(picked), eval_args.sweep_max_samples, replace=False))
+    sweep_labels = labels[sweep_set][picked]
 
-    def accuracy(model: torch.nn.Module) -> float:
-        return calibration_report(predict(model, sweep_data), sweep_labels, input_type="logits")["accuracy"]
+    # Every model's logits, once per set: fine-tuned, 0 entries, each learned graft, the baselines at each graft size.
+    predict = Predictor(tokenizer, eval_args.per_device_eval_batch_size, str(report_dir / "tmp"))
+    pretrained_name = "pre-trained + FT head" if setup.head == "classification" else "pre-trained (zero-shot)"
+    logits: dict[str, dict[str, np.ndarray]] = {data: {} for data in datasets}
+    temperature_logits: dict[str, np.ndarray] = {}
+    models: dict[str, dict] = {}  # model name -> label (the summary's model column), kind, entries
 
-    sweep: dict[str, dict[str, float]] = {"learned": {}, "top-k movement": {}, "random": {}}
-    sizes = set(eval_args.sweep_num_entries or [])
+    def predict_all(name: str, model: torch.nn.Module, kind: str, entries: int | None, label: str = "") -> None:
+        for data, dataset in datasets.items():
+            logits[data][name] = predict(model, dataset)
+        if temperature_data is not None:
+            temperature_logits[name] = predict(model, temperature_data)
+        models[name] = {"label": label or kind, "kind": kind, "entries": entries, "temperature_scaled": False}
+        accuracy = {d: round(100 * _accuracy(logits[d][name], labels[d]), 1) for d in datasets}
+        logger.info("%s: accuracy %% %s", name, accuracy)
+
+    finetuned = U.load_model(ft, setup, tokenizer)
+    predict_all("fine-tuned", finetuned, "fine-tuned", None)
+    model = pretrained_with_head(pre, setup, tokenizer, finetuned)
+    predict_all(pretrained_name, model, pretrained_name, 0)
+    del model
+    free_memory()
+
+    grafts, main_stats = [], None
     for directory in eval_args.graft_dirs:
         model = PeftModel.from_pretrained(U.load_model(pre, setup, tokenizer), directory)
-        k = model.graft_stats().num_entries
-        sweep["learned"][str(k)] = accuracy(model)
-        sizes.add(k)
-    for k in sorted(sizes):
-        for strategy, name in (("movement", "top-k movement"), ("random", "random")):
+        stats = model.graft_stats()
+        main_stats = stats if main_stats is None else main_stats
+        k = stats.num_entries
+        name, label = f"learned k={k}", "learned"
+        if name in models:  # two grafts of one size: tell them apart by position in --graft_dirs
+            name, label = f"{name} #{len(grafts) + 1}", f"learned #{len(grafts) + 1}"
+        predict_all(name, model, "learned", k, label)
+        grafts.append({"name": name, "dir": str(directory), "num_entries": k, "sparsity": stats.sparsity})
+        del model
+        free_memory()
+    graft_sizes = sorted({g["num_entries"] for g in grafts})
+    for k in graft_sizes:
+        for strategy, kind in BASELINES:
             model = sweep_model(pre, setup, tokenizer, finetuned, strategy, k, eval_args.sweep_random_seed)
-            sweep[name][str(k)] = accuracy(model)
-        logger.info("Sweep at %d entries: %s", k, {n: p.get(str(k)) for n, p in sweep.items()})
+            predict_all(f"{kind} k={k}", model, kind, k)
+            del model
+            free_memory()
 
-    references = {"fine-tuned": accuracy(finetuned), "pre-trained" + (" + FT head" if setup.head ==
-                  "classification" else ""): accuracy(pretrained)}  # fmt: skip
-    sweep_fig = plot_sweep({n: {int(k): v for k, v in p.items()} for n, p in sweep.items() if p}, references,
-                           f"Accuracy against region size ({sweep_set})")  # fmt: skip
-    save_figure(sweep_fig, report_dir / "sweep_accuracy.png")
-    location_fig = plot_locations(stats.per_layer, stats.per_module_type,
-                                  f"Where the {stats.num_entries:,} grafted entries sit")  # fmt: skip
+    # The sweep: graft sizes from the cached logits, the extra sizes on the sweep sample only.
+    sweep: dict[str, dict[str, float]] = {}
+    references: dict[str, float] = {}
+    if eval_args.sweep:
+        sweep_data = datasets[sweep_set].select(picked.tolist())
+
+        def sweep_accuracy(name: str) -> float:
+            return _accuracy(logits[sweep_set][name][picked], sweep_labels)
+
+        sweep = {"learned": {}, "top-k movement": {}, "random": {}}
+        for graft in grafts:
+            sweep["learned"][str(graft["num_entries"])] = sweep_accuracy(graft["name"])
+        for k in sorted(set(eval_args.sweep_num_entries or []) | set(graft_sizes)):
+            for strategy, kind in BASELINES:
+                if k in graft_sizes:
+                    sweep[kind][str(k)] = sweep_accuracy(f"{kind} k={k}")
+                    continue
+                model = sweep_model(pre, setup, tokenizer, finetuned, strategy, k, eval_args.sweep_random_seed)
+                sweep[kind][str(k)] = _accuracy(predict(model, sweep_data), sweep_labels)
+                del model
+                free_memory()
+            logger.info("Sweep at %d entries: %s", k, {n: p.get(str(k)) for n, p in sweep.items()})
+        references = {"fine-tuned": sweep_accuracy("fine-tuned"), pretrained_name: sweep_accuracy(pretrained_name)}
+        sweep_fig = plot_sweep({n: {int(k): v for k, v in p.items()} for n, p in sweep.items() if p}, references,
+                               f"Accuracy against region size ({sweep_set})")  # fmt: skip
+        save_figure(sweep_fig, report_dir / "sweep_accuracy.png")
+    del finetuned
+    free_memory()
+
+    # Temperature scaling: one temperature per model, fitted on the temperature set's logits.
+    scalers = {}
+    if temperature_data is not None:
+        temperature_labels = np.asarray(temperature_data["labels"])
+        for name, values in temperature_logits.items():
+            scalers[name] = fit_temperature(values, temperature_labels, input_type="logits")
+
+    # The rows, in table order: fine-tuned, 0 entries, then per graft size the learned, top-k and random regions,
+    # each followed by its temperature-scaled row.
+    order = ["fine-tuned", pretrained_name]
+    for k in graft_sizes:
+        order += [g["name"] for g in grafts if g["num_entries"] == k] + [f"{kind} k={k}" for _, kind in BASELINES]
+    rows: dict[str, tuple[str, dict]] = {}  # row name -> (model name, row description)
+    for name in order:
+        rows[name] = (name, models[name])
+        if name in scalers:
+            rows[name + TS] = (name, {**models[name], "label": models[name]["label"] + TS, "temperature_scaled": True,
+                                      "temperature": scalers[name].temperature})  # fmt: skip
+
+    def report(values: np.ndarray, data: str) -> dict[str, float]:
+        out = calibration_report(values, labels[data], input_type="logits", reference_preds=logits[data]["fine-tuned"])
+        if eval_args.f1:
+            out["f1"] = f1_score(values, labels[data], "binary", input_type="logits")
+        return out
+
+    metrics: dict[str, dict[str, dict[str, float]]] = {}
+    for data in datasets:
+        metrics[data] = {}
+        for row, (name, info) in rows.items():
+            values = logits[data][name]
+            metrics[data][row] = report(
+                scalers[name].scale_logits(values) if info["temperature_scaled"] else values, data
+            )
+        figures = {"fine-tuned": logits[data]["fine-tuned"], "graft": logits[data][grafts[0]["name"]]}
+        if scalers:
+            figures["fine-tuned_TS"] = scalers["fine-tuned"].scale_logits(figures["fine-tuned"])
+            figures["graft_TS"] = scalers[grafts[0]["name"]].scale_logits(figures["graft"])
+        for name, values in figures.items():
+            title = f"{name.replace('_TS', TS)}, {data}"
+            fig = reliability_diagram(values, labels[data], input_type="logits", title=title)
+            save_figure(fig, report_dir / f"reliability_{name}_{data}.png")
+
+    location_fig = plot_locations(main_stats.per_layer, main_stats.per_module_type,
+                                  f"Where the {main_stats.num_entries:,} grafted entries sit")  # fmt: skip
     save_figure(location_fig, report_dir / "graft_locations.png")
 
     timings = json.loads(Path(eval_args.timings_json).read_text()) if eval_args.timings_json else {}
     timings["evaluate"] = time.perf_counter() - start
     results = {
         "metrics": metrics,
-        "graft_stats": {
-            "num_entries": stats.num_entries,
-            "num_parameters": stats.num_parameters,
-            "sparsity": stats.sparsity,
-            "modules_to_save_parameters": stats.modules_to_save_parameters,
-            "per_layer": {str(k): v for k, v in stats.per_layer.items()},
-            "per_module_type": stats.per_module_type,
+        "models": {row: info for row, (_, info) in rows.items()},
+        "eval_sets": {
+            name: {"path": path, "examples": len(datasets[name])}
+            for name, path in zip(names, eval_args.eval_datasets, strict=True)
         },
-        "pretrained_name": "pre-trained + FT head" if setup.head == "classification" else "pre-trained (zero-shot)",
-        "sweep": sweep,
-        "sweep_references": references,
-        "sweep_set": sweep_set,
-        "sweep_examples": len(sweep_data),
-        "timings": timings,
+        "grafts": grafts,
+        "graft_stats": {
+            "num_entries": main_stats.num_entries,
+            "num_parameters": main_stats.num_parameters,
+            "sparsity": main_stats.sparsity,
+            "modules_to_save_parameters": main_stats.modules_to_save_parameters,
+            "per_layer": {str(k): v for k, v in main_stats.per_layer.items()},
+            "per_module_type": main_stats.per_module_type,
+        },
+        "pretrained_name": pretrained_name,
+        "temperature_scaling": None,
     }
+    if scalers:
+        results["temperature_scaling"] = {
+            "dataset": eval_args.temperature_dataset,
+            "examples": len(temperature_data),
+            "temperatures": {name: scalers[name].temperature for name in order},
+            "nll_before": {name: scalers[name].nll_before for name in order},
+            "nll_after": {name: scalers[name].nll_after for name in order},
+        }
+    if eval_args.sweep:
+        results.update(sweep=sweep, sweep_references=references, sweep_set=sweep_set, sweep_examples=len(picked))
+    results["timings"] = timings
     (report_dir / "results.json").write_text(json.dumps(results, indent=2))
     (report_dir / "summary.md").write_text(summary_markdown(results))
     logger.info("Report written to %s", report_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import example_utils as U  # examples/ is on sys.path when a script there runs
 from peft import get_peft_model
-from transformers import DataCollatorWithPadding, HfArgumentParser, set_seed
+from transformers import DataCollatorWithPadding, HfArgumentParser, IntervalStrategy, set_seed
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 from peft_graft.calibration import make_compute_metrics
@@ -62,6 +62,18 @@ class GraftArguments:
     search_entries: int | None = field(
         default=None, metadata={"help": "Learn S only on this many top-movement entries plus gamma_base."}
     )
+    score_init_width: float = field(
+        default=0.0,
+        metadata={"help": "S starts uniform in [-10, -10 + width) (the reference code: 1); 0: constant -10."},
+    )
+    select_every: int | None = field(
+        default=10,
+        metadata={
+            "help": "With --validation_dataset: evaluate the mask on train + validation every N steps (and before "
+            "the first) and keep the best by their summed accuracy, as the paper selects masks. 0 or None: keep the "
+            "last mask. Ignored when --eval_strategy is set."
+        },
+    )
 
 
 def main(args: list[str] | None = None) -> dict[str, float]:
@@ -93,6 +105,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         learn_region=True,
         search_fraction=graft_args.search_fraction,
         search_entries=graft_args.search_entries,
+        score_init_width=graft_args.score_init_width,
         modules_to_save=U.modules_to_save(setup),
     )
     model = get_peft_model(pre, config)
@@ -106,7 +119,13 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     train_dataset = U.tokenize(train_frame, tokenizer, setup)
     eval_dataset = None if eval_frame is None else U.by_length(U.tokenize(eval_frame, tokenizer, setup))
 
-    # Learn the region.
+    # Learn the region; with a validation set, keep the best mask by train + validation accuracy (gamma_base included).
+    if eval_dataset is not None and graft_args.select_every and training_args.eval_strategy == "no":
+        training_args.eval_strategy = IntervalStrategy.STEPS
+        training_args.eval_steps = graft_args.select_every
+        training_args.select_on_train = True
+        training_args.metric_for_best_model = "train_plus_eval_accuracy"
+        training_args.greater_is_better = True
     trainer = MaskTrainer(
         model=model,
         args=training_args,

