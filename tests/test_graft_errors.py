@@ -10,7 +10,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from testing_utils import clone_model, input_ids, make_bert_cls, make_pair
 
-from peft_graft import GraftConfig
+from peft_graft import GraftConfig, GraftLayer
 
 VALUE = "bert.encoder.layer.0.attention.self.value.weight"
 
@@ -208,3 +208,41 @@ def test_reusing_a_config_object_for_a_second_adapter_is_refused():
     assert list(model.peft_config) == ["default"]  # nothing half-added
     model.add_adapter("b", GraftConfig(finetuned=finetuned, num_entries=20, region="random", task_type=task_type))
     assert model.base_model.get_region("b").num_entries == 20
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "graft_" not in n}
+
+
+@pytest.mark.parametrize("how", ["merge_adapter", "merge_and_unload"])
+def test_a_refused_merge_changes_nothing(how):
+    """The base of the last grafted module differs (verify_base): earlier modules must not be merged or unwrapped."""
+    pre, finetuned, task_type = make_pair("bert_cls")
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=200, task_type=task_type))
+    layers = [m for m in model.modules() if isinstance(m, GraftLayer) and m.graft_values]
+    last = layers[-1]
+    attr = last.stored_attrs[0]
+    index = int(last.graft_indices["default"][0])
+    with torch.no_grad():
+        getattr(last.base_layer, attr).view(-1)[index] += 1.0  # another base at a grafted entry
+    before, count = _weights(model), sum(isinstance(m, GraftLayer) for m in model.modules())
+    with pytest.raises(ValueError, match="different pre-trained model"):
+        model.merge_adapter() if how == "merge_adapter" else model.merge_and_unload()
+    assert all(not layer.merged for layer in layers)
+    assert sum(isinstance(m, GraftLayer) for m in model.modules()) == count
+    after = _weights(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_safe_merge_refusing_non_finite_values_changes_nothing():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=200, task_type=task_type))
+    layer = [m for m in model.modules() if isinstance(m, GraftLayer) and m.graft_values][-1]
+    with torch.no_grad():
+        layer.graft_values["default"][0] = float("inf")
+    before = _weights(model)
+    with pytest.raises(ValueError, match=r"NaNs detected in the merged weights\. The adapter default seems"):
+        model.merge_adapter(safe_merge=True)
+    assert not any(m.merged for m in model.modules() if isinstance(m, GraftLayer))
+    after = _weights(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)

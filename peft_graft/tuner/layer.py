@@ -278,29 +278,52 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return F.embedding(inverse, weight, padding_idx, None, base.norm_type, base.scale_grad_by_freq, False)
 
     # ----------------------------------------------------------------------------------------------- merging
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Write the grafted values into the base tensors (exactly: unmerge restores the saved originals)."""
-        for adapter_name in check_adapters_to_merge(self, adapter_names):
+    def check_merge(self, adapter_names: list[str], safe_merge: bool = False) -> None:
+        """Raise, changing nothing, if merging ``adapter_names`` here would fail: a region still being learned, the
+        wrong base (``verify_base``), or with ``safe_merge`` a non-finite merged value."""
+        for adapter_name in adapter_names:
             if self.is_learning(adapter_name):
                 raise ValueError(f"Adapter {adapter_name!r} is still learning its region: harden it before merging.")
+            if adapter_name in self.graft_values and adapter_name not in self.merged_adapters:
+                self.check_base(adapter_name)
+                if safe_merge:
+                    self._merged_values(adapter_name, check_finite=True)
+
+    def _merged_values(self, adapter_name: str, check_finite: bool = False) -> list[tuple | None]:
+        """Per stored tensor, ``(indices, original values, merged values)`` of ``adapter_name``, or ``None``."""
+        out = []
+        for attr in self.stored_attrs:
+            entries = self.sparse_entries(adapter_name, attr) if adapter_name in self.graft_values else None
+            if entries is None:
+                out.append(None)
+                continue
+            indices, values = entries
+            flat = getattr(self.base_layer, attr).data.view(-1)
+            original = flat[indices].clone()
+            merged = (original.float() + values.detach()).to(flat.dtype)
+            if check_finite and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter_name} seems to be broken")
+            out.append((indices, original, merged))
+        return out
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Write the grafted values into the base tensors (exactly: unmerge restores the saved originals).
+
+        Everything is checked before anything is written, so a refused merge leaves the layer as it was.
+        """
+        to_merge = check_adapters_to_merge(self, adapter_names)
+        self.check_merge(to_merge)
+        for adapter_name in to_merge:
             # A layer storing nothing for this adapter (e.g. only applying a tied tensor) still records the merge,
             # so that its forward does not apply the (already merged) tied entries again.
-            stored_here = adapter_name in self.graft_values
-            if stored_here:
-                self.check_base(adapter_name)
+            planned = self._merged_values(adapter_name, check_finite=safe_merge)
             backup = []
-            for attr in self.stored_attrs:
-                entries = self.sparse_entries(adapter_name, attr) if stored_here else None
-                if entries is None:
+            for attr, plan in zip(self.stored_attrs, planned, strict=True):
+                if plan is None:
                     backup.append(None)
                     continue
-                indices, values = entries
-                flat = getattr(self.base_layer, attr).data.view(-1)
-                original = flat[indices].clone()
-                merged = (original.float() + values.detach()).to(flat.dtype)
-                if safe_merge and not torch.isfinite(merged).all():
-                    raise ValueError(f"NaNs detected in the merged weights of adapter {adapter_name!r}.")
-                flat[indices] = merged
+                indices, original, merged = plan
+                getattr(self.base_layer, attr).data.view(-1)[indices] = merged
                 backup.append(original)
             self._merge_backup[adapter_name] = backup
             self.merged_adapters.append(adapter_name)

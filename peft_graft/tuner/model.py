@@ -139,6 +139,32 @@ class GraftModel(BaseTuner):
             layer.set_adapter(adapter_name, inference_mode=inference_mode)
         self.active_adapter = adapter_name
 
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """peft's ``merge_adapter``, all or nothing: every layer is checked before any is merged, and a failure part
+        way leaves every layer as it was."""
+        self._check_merge(adapter_names, safe_merge)
+        layers, _ = self._adapter_modules()
+        before = {id(layer): list(layer.merged_adapters) for layer in layers}
+        try:
+            super().merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
+        except BaseException:
+            for layer in layers:
+                if layer.merged_adapters != before[id(layer)]:
+                    layer.unmerge()
+                    if before[id(layer)]:
+                        layer.merge(adapter_names=before[id(layer)])
+            raise
+
+    def _unload_and_optionally_merge(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
+        if merge:  # check every layer first: peft merges and unwraps module by module
+            self._check_merge(adapter_names, safe_merge)
+        return super()._unload_and_optionally_merge(merge, progressbar, safe_merge, adapter_names)
+
+    def _check_merge(self, adapter_names: list[str] | None, safe_merge: bool) -> None:
+        names = adapter_names if adapter_names is not None else self.active_adapters
+        for layer in self._adapter_modules()[0]:
+            layer.check_merge(names, safe_merge)
+
     def _adapter_modules(self) -> tuple[list[GraftLayer], list[AuxiliaryTrainingWrapper]]:
         key = tuple(self.peft_config)  # layers and wrappers only change when adapters are added or deleted
         cached = getattr(self, "_adapter_modules_cache", None)
