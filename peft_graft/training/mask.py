@@ -165,6 +165,8 @@ class MaskTrainer(LossTermsTrainer):
         if args.l1_penalty:
             self.loss_terms.append(ScoreL1Penalty(list(learners.values()), args.l1_penalty))
         self.mask_report: dict[str, int] = {}
+        self._tracking_best = False  # while train() keeps the best evaluated mask (keep_best_mask)
+        self._best: tuple[float, int, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     # ------------------------------------------------------------------------------------------ mask state
     def region_learners(self) -> dict[str, RegionLearner]:
@@ -225,7 +227,8 @@ class MaskTrainer(LossTermsTrainer):
 
     # ------------------------------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
-        """Learn S (paper Eq. 3-4), then harden: ``round(gamma)``, or the ``num_entries`` of largest gamma."""
+        """Learn S (paper Eq. 3-4), then harden: the best evaluated mask (``keep_best_mask``), else ``round(gamma)``
+        or the ``num_entries`` of largest gamma."""
         if not self.region_learners():
             raise ValueError(
                 f"Adapter {self.adapter_name!r} is no longer learning its region (it was hardened): build a new "
@@ -280,7 +283,7 @@ class MaskTrainer(LossTermsTrainer):
         ``round(gamma)`` or the ``args.num_entries`` of largest gamma.
         """
         rounded = self.num_grafted_entries()
-        best = getattr(self, "_best", None)
+        best = self._best
         if best is not None:
             kept = self.model.base_model.harden_region(self.adapter_name, entries=best[2])
         else:
@@ -339,7 +342,7 @@ class MaskTrainer(LossTermsTrainer):
                         extra[f"{metric_key_prefix}_train_plus_eval_{name}"] = value + train[f"train_{name}"]
         metrics.update(extra)
         self.log(extra)
-        if getattr(self, "_tracking_best", False) and eval_dataset is None and metric_key_prefix == "eval":
+        if self._tracking_best and eval_dataset is None and metric_key_prefix == "eval":
             self._track_best(metrics, entries)
         return metrics
 
