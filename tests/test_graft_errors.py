@@ -246,3 +246,31 @@ def test_safe_merge_refusing_non_finite_values_changes_nothing():
     assert not any(m.merged for m in model.modules() if isinstance(m, GraftLayer))
     after = _weights(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_any_failure_while_loading_a_graft_leaves_the_model_as_it_was(pair, saved, monkeypatch):
+    pre, _, _ = pair
+    model = PeftModel.from_pretrained(clone_model(pre), saved).eval()
+    with torch.no_grad():
+        before = model(input_ids=input_ids()).logits
+
+    def failing_read(*args, **kwargs):
+        raise OSError("disk read failed")
+
+    monkeypatch.setattr("peft.utils.save_and_load.safe_load_file", failing_read)
+    with pytest.raises(OSError, match="disk read failed"):
+        model.load_adapter(saved, adapter_name="other")
+    assert list(model.peft_config) == ["default"]
+    assert not any("other" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=input_ids()).logits, before)
+
+
+def test_pickled_graft_weights_are_refused(pair, saved, tmp_path):
+    pre, _, _ = pair
+    target = tmp_path / "pickled"
+    shutil.copytree(saved, target)
+    torch.save(load_file(target / "adapter_model.safetensors"), target / "adapter_model.bin")
+    (target / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"adapter_model\.bin \(a pickle\)"):
+        PeftModel.from_pretrained(clone_model(pre), target)

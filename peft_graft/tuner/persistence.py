@@ -20,6 +20,7 @@ path.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import signal
@@ -66,14 +67,15 @@ def _wrap_save(original):
 def _wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
+        _refuse_pickled_graft(model_id, kwargs.get("subfolder"))
         is_new = adapter_name not in self.peft_config
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
-        except (SafetensorError, ValueError) as error:
+        except BaseException as error:  # any failure: leave the model as it was
             config = self.peft_config.get(adapter_name)
             if config is None or not str(config.peft_type).lower().endswith(GRAFT_NAME):
                 raise
-            if is_new and len(self.peft_config) > 1:  # leave the model as it was (the only adapter cannot be deleted)
+            if is_new and len(self.peft_config) > 1:  # the only adapter cannot be deleted
                 self.delete_adapter(adapter_name)
             if isinstance(error, SafetensorError):
                 raise ValueError(
@@ -83,6 +85,28 @@ def _wrap_load(original):
             raise
 
     return load_adapter
+
+
+def _refuse_pickled_graft(model_id, subfolder: str | None) -> None:
+    """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
+    if not isinstance(model_id, (str, os.PathLike)) or not os.path.isdir(model_id):
+        return
+    folder = os.path.join(os.fspath(model_id), subfolder or "")
+    try:
+        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
+            peft_type = str(json.load(handle).get("peft_type", ""))
+    except (OSError, ValueError):
+        return  # not a readable adapter folder: peft reports it
+    safetensors = os.path.isfile(os.path.join(folder, "adapter_model.safetensors"))
+    if (
+        peft_type.lower() == GRAFT_NAME
+        and not safetensors
+        and os.path.isfile(os.path.join(folder, "adapter_model.bin"))
+    ):
+        raise ValueError(
+            f"{folder!r} holds graft weights as adapter_model.bin (a pickle) and no adapter_model.safetensors: graft "
+            "weights are only loaded from safetensors. Re-save the graft with save_pretrained."
+        )
 
 
 def _wrap_push(original):
