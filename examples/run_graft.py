@@ -62,6 +62,10 @@ class GraftArguments:
     search_entries: int | None = field(
         default=None, metadata={"help": "Learn S only on this many top-movement entries plus gamma_base."}
     )
+    exclude_parameters: list[str] | None = field(
+        default=None,
+        metadata={"help": "Regexes of parameters never grafted (e.g. 'pooler', as the paper's reference code)."},
+    )
     score_init_width: float = field(
         default=0.0,
         metadata={"help": "S starts uniform in [-10, -10 + width) (the reference code: 1); 0: constant -10."},
@@ -106,6 +110,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         search_fraction=graft_args.search_fraction,
         search_entries=graft_args.search_entries,
         score_init_width=graft_args.score_init_width,
+        exclude_parameters=graft_args.exclude_parameters,
         modules_to_save=U.modules_to_save(setup),
     )
     model = get_peft_model(pre, config)

@@ -289,6 +289,15 @@ def test_graft_search_space_options(assets, finetuned, tmp_path, flag, value, ex
     assert repr(saved) == repr(expected)
 
 
+def test_graft_exclude_parameters_keeps_them_out_of_the_region(assets, finetuned, tmp_path):
+    run_graft.main(
+        graft_args(assets, finetuned, "classification", tmp_path, "--exclude_parameters", "pooler", "attention")
+    )
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["exclude_parameters"] == ["pooler", "attention"] and saved["grafted_modules"]
+    assert not any("pooler" in module or "attention" in module for module in saved["grafted_modules"])
+
+
 def test_graft_resumes_from_its_checkpoint(assets, finetuned, tmp_path):
     """A run resumed from checkpoint-2 starts at step 2 and ends with the uninterrupted run's graft."""
     steps = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
