@@ -62,6 +62,12 @@ class GraftArguments:
     search_entries: int | None = field(
         default=None, metadata={"help": "Learn S only on this many top-movement entries plus gamma_base."}
     )
+    select_metric: str = field(
+        default="accuracy",
+        metadata={
+            "help": "Metric summed over train + validation to select the mask: accuracy, or loss (lower is better)."
+        },
+    )
     exclude_parameters: list[str] | None = field(
         default=None,
         metadata={"help": "Regexes of parameters never grafted (e.g. 'pooler', as the paper's reference code)."},
@@ -129,8 +135,8 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         training_args.eval_strategy = IntervalStrategy.STEPS
         training_args.eval_steps = graft_args.select_every
         training_args.select_on_train = True
-        training_args.metric_for_best_model = "train_plus_eval_accuracy"
-        training_args.greater_is_better = True
+        training_args.metric_for_best_model = f"train_plus_eval_{graft_args.select_metric}"
+        training_args.greater_is_better = graft_args.select_metric not in ("loss", "nll", "ece", "brier")
     trainer = MaskTrainer(
         model=model,
         args=training_args,
