@@ -289,6 +289,18 @@ def test_graft_search_space_options(assets, finetuned, tmp_path, flag, value, ex
     assert repr(saved) == repr(expected)
 
 
+@pytest.mark.parametrize("metric", ["accuracy", "loss"])
+def test_graft_selects_the_mask_on_train_plus_validation(assets, finetuned, tmp_path, metric):
+    """With a validation set the mask is evaluated before the first step and every --select_every steps; the best by
+    the summed metric is kept and reported."""
+    extra = ["--validation_dataset", assets["test"], "--validation_split", "train", "--select_every", "1"]
+    results = run_graft.main(
+        graft_args(assets, finetuned, "classification", tmp_path, *extra, "--select_metric", metric)
+    )
+    assert 0 <= results["selected_step"] <= results["train_steps"] if "train_steps" in results else True
+    assert f"eval_train_plus_eval_{metric}" in results
+
+
 def test_graft_exclude_parameters_keeps_them_out_of_the_region(assets, finetuned, tmp_path):
     run_graft.main(
         graft_args(assets, finetuned, "classification", tmp_path, "--exclude_parameters", "pooler", "attention")
