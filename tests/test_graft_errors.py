@@ -274,3 +274,15 @@ def test_pickled_graft_weights_are_refused(pair, saved, tmp_path):
     (target / "adapter_model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"adapter_model\.bin \(a pickle\)"):
         PeftModel.from_pretrained(clone_model(pre), target)
+
+
+def test_the_only_adapter_cannot_be_deleted():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20, task_type=task_type))
+    with pytest.raises(ValueError, match=r"only adapter: .* unload"):
+        model.delete_adapter("default")
+    assert list(model.peft_config) == ["default"]
+    model(input_ids=input_ids())  # still runs
+    model.add_adapter("b", GraftConfig(finetuned=finetuned, num_entries=20, region="random", task_type=task_type))
+    model.delete_adapter("b")
+    assert list(model.peft_config) == ["default"]

@@ -165,6 +165,15 @@ class GraftModel(BaseTuner):
         for layer in self._adapter_modules()[0]:
             layer.check_merge(names, safe_merge)
 
+    def delete_adapter(self, adapter_name: str) -> None:
+        """peft's ``delete_adapter``; the last adapter cannot be deleted (a graft model without one has no forward)."""
+        if adapter_name in self.peft_config and len(self.peft_config) == 1:
+            raise ValueError(
+                f"Adapter {adapter_name!r} is the only adapter: deleting it would leave a graft model that cannot run. "
+                "Use unload() to get the base model back, or add another adapter first."
+            )
+        super().delete_adapter(adapter_name)
+
     def _adapter_modules(self) -> tuple[list[GraftLayer], list[AuxiliaryTrainingWrapper]]:
         key = tuple(self.peft_config)  # layers and wrappers only change when adapters are added or deleted
         cached = getattr(self, "_adapter_modules_cache", None)
