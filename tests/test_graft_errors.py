@@ -286,3 +286,31 @@ def test_the_only_adapter_cannot_be_deleted():
     model.add_adapter("b", GraftConfig(finetuned=finetuned, num_entries=20, region="random", task_type=task_type))
     model.delete_adapter("b")
     assert list(model.peft_config) == ["default"]
+
+
+def test_a_base_differing_at_any_grafted_entry_is_refused(saved):
+    pre, _, _ = make_pair("bert_cls")
+    model = PeftModel.from_pretrained(clone_model(pre), saved)
+    layer = max(
+        (m for m in model.modules() if isinstance(m, GraftLayer) and m.graft_values), key=lambda m: m.num_stored
+    )
+    indices = layer.graft_indices["default"]
+    assert indices.numel() > 2
+    attr, local, _ = next(iter(layer.space.split(indices[-1:])))  # the last entry: not among the first two
+    with torch.no_grad():
+        getattr(layer.base_layer, attr).view(-1)[local] += 1.0
+    with pytest.raises(ValueError, match="differ from the graft's theta_pre at some of its"):
+        model(input_ids=input_ids())
+
+
+def test_saving_while_merged_writes_a_graft_its_base_accepts(pair, tmp_path):
+    pre, finetuned, task_type = make_pair("bert_cls")
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=200, task_type=task_type))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=input_ids()).logits
+    model.merge_adapter()
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=input_ids()).logits, expected)

@@ -54,6 +54,7 @@ class GraftConfig(PeftConfig):
         verify_base: Refuse to apply the graft onto a base whose values differ from the theta_pre it was made from.
         grafted_modules: Filled in by the library: number of grafted entries per module (needed to load).
         base_fingerprint: Filled in by the library: theta_pre at a few grafted entries per module.
+        base_checksum: Filled in by the library: a checksum of theta_pre at every grafted entry, per module.
     """
 
     # Not fields: a graft chooses its modules itself; peft's injection code reads these attributes.
@@ -109,6 +110,9 @@ class GraftConfig(PeftConfig):
     )
     grafted_modules: dict[str, int] = field(
         default_factory=dict, metadata={"help": "Set by the library: grafted entries per module."}
+    )
+    base_checksum: dict[str, str] = field(
+        default_factory=dict, metadata={"help": "Set by the library: checksum of theta_pre at the grafted entries."}
     )
     base_fingerprint: dict[str, list[float]] = field(
         default_factory=dict, metadata={"help": "Set by the library: theta_pre at a few grafted entries per module."}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -49,7 +50,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_learning = nn.ModuleDict()
         self.space = FlatIndexSpace(stored_attrs, [getattr(base_layer, attr).numel() for attr in stored_attrs])
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
-        self.fingerprints: dict[str, list[float]] = {}
+        self.fingerprints: dict[str, list[float]] = {}  # theta_pre at the first two grafted entries, per adapter
+        self.checksums: dict[str, str] = {}  # of theta_pre at every grafted entry, per adapter
         self.verify_base: dict[str, bool] = {}
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
         self._disable_adapters = False
@@ -66,12 +68,21 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Size of this layer's flat index space."""
         return self.space.size
 
-    def update_layer(self, adapter_name: str, num_entries: int, fingerprint: list[float], verify_base: bool) -> None:
+    def update_layer(
+        self,
+        adapter_name: str,
+        num_entries: int,
+        fingerprint: list[float],
+        verify_base: bool,
+        checksum: str | None = None,
+    ) -> None:
         """Create an empty hard region of ``num_entries`` entries, to be filled by loading or :meth:`set_region`."""
         device = self._device()
         self.graft_indices[adapter_name] = torch.zeros(num_entries, dtype=self.space.index_dtype(), device=device)
         self.graft_values[adapter_name] = nn.Parameter(torch.zeros(num_entries, device=device))
         self.fingerprints[adapter_name] = list(fingerprint)
+        if checksum:
+            self.checksums[adapter_name] = checksum
         self.verify_base[adapter_name] = verify_base
 
     def set_region(self, adapter_name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
@@ -83,6 +94,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_indices[adapter_name] = indices.to(device, self.space.index_dtype())
         self.graft_values[adapter_name] = nn.Parameter(values.to(device, torch.float32), requires_grad=requires_grad)
         self.fingerprints[adapter_name] = self.base_values(indices[:2]).tolist()
+        self.checksums[adapter_name] = self.base_checksum(indices)
         self.verify_base.setdefault(adapter_name, True)
 
     def start_learning(self, adapter_name: str, learner: RegionLearner) -> None:
@@ -129,6 +141,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             out[position] = getattr(self.base_layer, attr).detach().reshape(-1)[local.to(torch.int64)].float().cpu()
         return out
 
+    def base_checksum(self, indices: torch.Tensor) -> str:
+        """A checksum of the stored tensors' current values at sorted flat ``indices``, bit for bit in their dtype."""
+        digest = hashlib.sha256()
+        for attr, local, _ in self.space.split(indices):
+            values = getattr(self.base_layer, attr).detach().reshape(-1)[local.to(torch.int64)]
+            digest.update(values.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def sparse_entries(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(local indices, values)`` of the hard region of ``adapter_name`` in stored tensor ``attr``."""
         return _entries_of(self.space, self.graft_indices[adapter_name], self.graft_values[adapter_name], attr)
@@ -171,6 +191,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     "config = GraftConfig.from_pretrained(path); config.verify_base = False; "
                     "PeftModel.from_pretrained(model, path, config=config)."
                 )
+        expected_checksum = self.checksums.get(adapter_name)
+        if expected_checksum and self.base_checksum(self.graft_indices[adapter_name]) != expected_checksum:
+            raise ValueError(
+                f"Graft {adapter_name!r} was made for a different pre-trained model: tensor values of "
+                f"{type(self.base_layer).__name__} differ from the graft's theta_pre at some of its "
+                f"{self.graft_indices[adapter_name].numel()} grafted entries. Load it onto the base it was made from, "
+                "or override: config = GraftConfig.from_pretrained(path); config.verify_base = False; "
+                "PeftModel.from_pretrained(model, path, config=config)."
+            )
         self.verify_base[adapter_name] = False  # checked once
 
     # ----------------------------------------------------------------------------------------------- forward
@@ -340,6 +369,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def delete_adapter(self, adapter_name: str) -> None:
         super().delete_adapter(adapter_name)
         self.fingerprints.pop(adapter_name, None)
+        self.checksums.pop(adapter_name, None)
         self.verify_base.pop(adapter_name, None)
 
     def __repr__(self) -> str:

@@ -84,7 +84,8 @@ class GraftModel(BaseTuner):
             layer.set_region(adapter_name, *plan.regions[current_key])
         elif current_key in plan.entries:
             fingerprint = config.base_fingerprint.get(current_key, [])
-            layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base)
+            checksum = config.base_checksum.get(current_key)
+            layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base, checksum)
         if current_key in plan.learning:
             learning = plan.learning[current_key]
             # Seeded by module name: the same S on every process, whatever the order modules are visited in.
@@ -351,16 +352,24 @@ def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
 
 
 def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> None:
-    """Store the per-module entry counts and base fingerprint of an adapter in its config (needed to load it)."""
-    counts, fingerprints = {}, {}
+    """Store the per-module entry counts and base fingerprint and checksum of an adapter in its config (needed to load
+    it). A hard region keeps what was recorded from theta_pre when it was set, so saving while merged records theta_pre,
+    not the merged values."""
+    counts, fingerprints, checksums = {}, {}, {}
     for name, module in model.named_modules():
         if isinstance(module, GraftLayer):
             indices, _ = module.entries(adapter_name)
             if indices.numel():
                 key = name.removeprefix(PEFT_PREFIX)
                 counts[key] = int(indices.numel())
-                fingerprints[key] = module.base_values(indices[:2]).tolist()
-    config.grafted_modules, config.base_fingerprint = counts, fingerprints
+                hard = adapter_name in module.graft_values and not module.is_learning(adapter_name)
+                fingerprints[key] = (
+                    module.fingerprints[adapter_name] if hard else module.base_values(indices[:2]).tolist()
+                )
+                checksum = module.checksums.get(adapter_name) if hard else module.base_checksum(indices)
+                if checksum:
+                    checksums[key] = checksum
+    config.grafted_modules, config.base_fingerprint, config.base_checksum = counts, fingerprints, checksums
 
 
 def _modules_to_save_tensor(model: nn.Module, name: str, adapter_name: str) -> nn.Parameter | None:
