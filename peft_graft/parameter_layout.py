@@ -21,6 +21,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+NO_ENTRIES = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+"""No entries of a flat index space, as ``(int64 indices, fp32 values)``; never written to."""
+
+
 class FlatIndexSpace:
     """The flat index space of a storage module: its stored tensors flattened and concatenated, in order.
 

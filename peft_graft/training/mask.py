@@ -24,7 +24,7 @@ from torch import nn
 from transformers import TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
-from ..parameter_layout import build_layout
+from ..parameter_layout import NO_ENTRIES, build_layout
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
 from .losses import LossTermsTrainer
@@ -195,9 +195,8 @@ class MaskTrainer(LossTermsTrainer):
         evaluates; yields those entries."""
         learners = self.region_learners()
         entries = self.kept_entries() if learners else {}
-        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
         for module, learner in learners.items():
-            learner.hard = entries.get(module, empty)
+            learner.hard = entries.get(module, NO_ENTRIES)
         try:
             yield entries
         finally:

@@ -11,15 +11,13 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 from torch.nn import functional as F
 
-from ..parameter_layout import FlatIndexSpace
+from ..parameter_layout import NO_ENTRIES, FlatIndexSpace
 from .autograd import RecomputeSoftParameters
 from .learning import RegionLearner
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters and autograd.GraftedRows.
 RECOMPUTE_SOFT_PARAMETERS = True
 GRAFT_EMBEDDING_ROWS = True
-
-_NO_ENTRIES = (torch.empty(0, dtype=torch.int64), torch.empty(0))
 
 
 class GraftLayer(nn.Module, BaseTunerLayer):
@@ -99,8 +97,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
     def start_learning(self, adapter_name: str, learner: RegionLearner) -> None:
         """Attach the state to learn this adapter's region here, on the base layer's device."""
-        self.graft_learning[adapter_name] = learner.to(self._device())
-        learner.movement = learner.movement.to(learner.scores.device)
+        self.graft_learning[adapter_name] = learner.to(self._device())  # the movement follows S on first use
 
     def stop_learning(self, adapter_name: str) -> None:
         """Release the learning state of ``adapter_name`` (its hard region stays)."""
@@ -123,7 +120,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return learner.hard if learner.hard is not None else learner.harden()
         if adapter_name in self.graft_indices:
             return self.graft_indices[adapter_name], self.graft_values[adapter_name]
-        return _NO_ENTRIES
+        return NO_ENTRIES
 
     def region_by_tensor(self, adapter_name: str) -> dict[str, torch.Tensor]:
         """The hard region of ``adapter_name`` as local flat indices per stored tensor attribute."""

@@ -12,7 +12,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from ..parameter_layout import build_layout
+from ..parameter_layout import NO_ENTRIES, build_layout
 from ..regions import Region
 from .config import GRAFT_PREFIX, GraftConfig
 from .layer import GraftLayer
@@ -228,10 +228,9 @@ class GraftModel(BaseTuner):
             if not 1 <= num_entries <= moved:
                 raise ValueError(f"num_entries={num_entries} must lie in [1, {moved}] (the moved entries).")
             hardened = harden_exact(learners, num_entries)
-        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
         total = 0
         for module, learner in learners.items():
-            indices, values = hardened.get(module, empty) if hardened is not None else learner.harden()
+            indices, values = hardened.get(module, NO_ENTRIES) if hardened is not None else learner.harden()
             layer = self.model.get_submodule(module)
             layer.stop_learning(adapter_name)
             layer.set_region(adapter_name, indices, values)

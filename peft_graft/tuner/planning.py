@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..parameter_layout import Layout
+from ..parameter_layout import NO_ENTRIES, Layout
 from ..regions import Region, RegionRequest, choose_region, top_k_movement
 from ..scores.movement import compute_movement, eligible_tensors, finetuned_tensor, is_saved_whole, load_finetuned
 from .config import GraftConfig
-
-_EMPTY = (torch.empty(0, dtype=torch.int64), torch.empty(0))
 
 
 @dataclass
@@ -98,8 +96,8 @@ def _plan_dense_learning(plan: Plan, movement: dict[str, torch.Tensor]) -> None:
             movement[info.name].reshape(-1) if info.name in movement else torch.zeros(info.parameter.numel())
             for info in (layout.by_site[(module, attr)] for attr in layout.stored[module])
         ]
-        plan.learning[module] = LearningPlan(torch.cat(flat), plan.regions.get(module, _EMPTY)[0])
-        plan.regions.setdefault(module, _EMPTY)
+        plan.learning[module] = LearningPlan(torch.cat(flat), plan.regions.get(module, NO_ENTRIES)[0])
+        plan.regions.setdefault(module, NO_ENTRIES)
 
 
 def _plan_search_space(plan: Plan, config: GraftConfig, movement: dict[str, torch.Tensor], region: Region) -> None:
@@ -117,8 +115,8 @@ def _plan_search_space(plan: Plan, config: GraftConfig, movement: dict[str, torc
                 indices.append(local + space.start(attr))
                 values.append(movement[name].reshape(-1)[local].float())
         search = torch.cat(indices)  # sorted: tensors in offset order, each Region entry sorted
-        base = plan.regions.get(module, _EMPTY)[0]
+        base = plan.regions.get(module, NO_ENTRIES)[0]
         plan.learning[module] = LearningPlan(
             torch.cat(values), torch.searchsorted(search, base.to(torch.int64)), search
         )
-        plan.regions.setdefault(module, _EMPTY)
+        plan.regions.setdefault(module, NO_ENTRIES)
