@@ -89,14 +89,10 @@ class RegionLearner(nn.Module):
             return positions
         return self.search_indices.to(positions.device)[positions]
 
-    def harden(self, num_entries: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat indices, values)`` of ``round(gamma)``, or of the top ``num_entries`` of gamma (moved entries)."""
+    def harden(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(flat indices, values)`` of ``round(gamma)`` (moved entries); an exact budget is :func:`harden_exact`."""
         with torch.no_grad():
-            gamma, moved = self.gamma(), self.moved()
-            if num_entries is None:
-                positions = ((gamma >= 0.5) & moved).nonzero().reshape(-1)
-            else:
-                positions = torch.sort(torch.topk(torch.where(moved, gamma, -1.0), num_entries).indices).values
+            positions = ((self.gamma() >= 0.5) & self.moved()).nonzero().reshape(-1)
             return self.entries_at(positions)
 
     def entries_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
