@@ -338,7 +338,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         Everything is checked before anything is written, so a refused merge leaves the layer as it was.
         """
         to_merge = check_adapters_to_merge(self, adapter_names)
-        self.check_merge(to_merge)
+        self.check_merge(to_merge, safe_merge)
         for adapter_name in to_merge:
             # A layer storing nothing for this adapter (e.g. only applying a tied tensor) still records the merge,
             # so that its forward does not apply the (already merged) tied entries again.
