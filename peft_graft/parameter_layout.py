@@ -136,3 +136,17 @@ def build_layout(model: nn.Module) -> Layout:
             "These parameters are used directly by non-leaf modules and cannot be grafted: %s", layout.unsupported
         )
     return layout
+
+
+def exact_positions(
+    indices: torch.Tensor, unreachable: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in sorted ``indices`` of the ``unreachable`` entries among them, and their theta_ft."""
+    wanted, targets = unreachable
+    if not wanted.numel() or not indices.numel():
+        return NO_ENTRIES
+    indices = indices.to(torch.int64)
+    wanted = wanted.to(indices.device, torch.int64)
+    at = torch.searchsorted(indices, wanted).clamp_max(indices.numel() - 1)
+    hit = indices[at] == wanted
+    return at[hit], targets.to(indices.device)[hit]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import random
 import shutil
 
 import pytest
@@ -10,7 +12,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from testing_utils import clone_model, input_ids, make_bert_cls, make_pair
 
-from peft_graft import GraftConfig, GraftLayer
+from peft_graft import GraftConfig, GraftLayer, Region
 
 VALUE = "bert.encoder.layer.0.attention.self.value.weight"
 
@@ -103,12 +105,18 @@ def saved(pair, tmp_path):
     return tmp_path / "graft"
 
 
-def corrupt_copy(saved, tmp_path, edit) -> str:
-    """A copy of the saved graft whose weights file was changed by ``edit(tensors) -> tensors``."""
+def corrupt_copy(saved, tmp_path, edit, keep_checksum: bool = False) -> str:
+    """A copy of the saved graft whose weights file was changed by ``edit(tensors) -> tensors``; without
+    ``keep_checksum`` its config loses the weights checksum (as a file written by another tool), so that the structural
+    checks are reached."""
     target = tmp_path / "corrupt"
     shutil.copytree(saved, target)
     path = target / "adapter_model.safetensors"
     save_file(edit(load_file(path)), path)
+    if not keep_checksum:
+        config = json.loads((target / "adapter_config.json").read_text())
+        del config["weights_checksum"]
+        (target / "adapter_config.json").write_text(json.dumps(config))
     return target
 
 
@@ -147,6 +155,39 @@ def test_corrupt_entries_are_refused(pair, saved, tmp_path, edit, match):
     pre, _, _ = pair
     with pytest.raises(ValueError, match=match):
         PeftModel.from_pretrained(clone_model(pre), corrupt_copy(saved, tmp_path, edit))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t: t | {first_key(t, "graft_values"): t[first_key(t, "graft_values")].half()},
+        lambda t: t | {first_key(t, "graft_values"): t[first_key(t, "graft_values")].to(torch.int64)},
+        lambda t: t | {first_key(t, "graft_values"): t[first_key(t, "graft_values")].double()},
+    ],
+    ids=["fp16", "int64", "fp64"],
+)
+def test_graft_values_of_another_dtype_are_refused_not_cast(pair, saved, tmp_path, edit):
+    pre, _, _ = pair
+    with pytest.raises(ValueError, match=r"value dtype .*graft values are float32"):
+        PeftModel.from_pretrained(clone_model(pre), corrupt_copy(saved, tmp_path, edit))
+
+
+def test_every_flipped_bit_of_the_weights_file_is_refused(pair, saved, tmp_path):
+    pre, _, _ = pair
+    data = (saved / "adapter_model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    rng = random.Random(0)
+    for trial in range(20):  # data bytes: indices, values and the head stored whole
+        target = tmp_path / f"flipped{trial}"
+        shutil.copytree(saved, target)
+        position = rng.randrange(header, len(data))
+        flipped = bytearray(data)
+        flipped[position] ^= 1 << rng.randrange(8)
+        (target / "adapter_model.safetensors").write_bytes(bytes(flipped))
+        with pytest.raises(ValueError, match="does not match the checksum"):
+            PeftModel.from_pretrained(clone_model(pre), target)
+    with pytest.raises(ValueError, match="does not match the checksum"):
+        Region.from_pretrained(target, clone_model(pre))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])

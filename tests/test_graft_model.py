@@ -453,3 +453,33 @@ def test_module_type_and_layer_of_parameter_names(name, kind, layer):
 
     assert module_type(name) == kind
     assert layer_index(name) == layer
+
+
+def test_while_learning_every_trainable_parameter_gets_a_gradient_and_counts_are_right():
+    pre, finetuned, task_type = make_pair("roberta_cls")
+    model = get_peft_model(
+        clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=50, learn_region=True, task_type=task_type)
+    )
+    model.set_adapter("default")  # peft marks the active adapter's parameters trainable: graft_values stay frozen
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert not any("graft_values" in n for n in trainable)
+    scores = sum(p.numel() for n, p in trainable.items() if "graft_learning" in n)
+    head = sum(p.numel() for n, p in trainable.items() if "modules_to_save" in n)
+    assert model.get_nb_trainable_parameters()[0] == scores + head
+    model(input_ids=input_ids(), labels=torch.tensor([0, 1])).loss.backward()
+    assert all(p.grad is not None for p in trainable.values()), [n for n, p in trainable.items() if p.grad is None]
+
+
+@pytest.mark.parametrize(
+    ("arch", "module", "features"),
+    [
+        ("roberta_cls", "roberta.encoder.layer.0.attention.self.query", (32, 32)),
+        ("gpt2", "transformer.h.0.mlp.c_fc", (32, 128)),
+    ],
+)
+def test_graft_layers_expose_in_and_out_features(arch, module, features):
+    pre, finetuned, task_type = make_pair(arch)
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.5, task_type=task_type))
+    layer = model.get_base_model().get_submodule(module)
+    assert isinstance(layer, GraftLayer)
+    assert (layer.in_features, layer.out_features) == features

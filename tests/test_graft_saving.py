@@ -106,3 +106,54 @@ def test_resaving_updates_the_card_section_instead_of_repeating_it(graft, tmp_pa
     model.save_pretrained(tmp_path / "g")
     model.save_pretrained(tmp_path / "g")
     assert (tmp_path / "g" / "README.md").read_text().count("## Graft") == 1
+
+
+KILLED_SAVE = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import torch
+from peft import get_peft_model
+import peft_graft.tuner.persistence as persistence
+from testing_utils import clone_model, finetune_like, make_pair
+from peft_graft import GraftConfig
+
+pre, _, _ = make_pair("gpt2")
+model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
+moves = []
+real_replace = os.replace
+
+def replace_then_die(source, target):
+    real_replace(source, target)
+    moves.append(target)
+    if len(moves) == {moves}:
+        os._exit(9)  # SIGKILL-like: no cleanup, no finally
+
+persistence.os.replace = replace_then_die
+model.save_pretrained({target!r})
+"""
+
+
+@pytest.mark.parametrize("moves", [1, 2, 3])
+def test_save_killed_between_moves_is_undone_or_finished_by_the_next_load(graft, tmp_path, moves):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pre, model = graft
+    target = tmp_path / "graft"
+    model.save_pretrained(target)
+    script = KILLED_SAVE.format(tests=str(Path(__file__).parent), target=str(target), moves=moves)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 9, done.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")]  # the killed save left folders
+
+    other = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
+    loaded = PeftModel.from_pretrained(clone_model(pre), target)
+    files = sorted(p.name for p in target.iterdir())
+    assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    # Card, weights and config move in that order: before the config moved, the previous adapter is restored.
+    expected = other if moves == 3 else model
+    assert torch.equal(logits(loaded), logits(expected))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")] == []
+    card = (target / "README.md").read_text()
+    assert ("| default | 50 |" in card) == (moves == 3)  # the card is restored with the rest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
@@ -107,6 +109,11 @@ def test_region_from_pretrained_refuses_bad_folders(tmp_path):
     weights[key] = weights[key].clone()
     weights[key][-1] = 10**8
     save_file(weights, weights_file)
+    with pytest.raises(ValueError, match="does not match the checksum"):
+        Region.from_pretrained(tmp_path, pre)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    del config["weights_checksum"]  # as a file written by another tool: the indices are still checked
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="outside"):
         Region.from_pretrained(tmp_path, pre)
     other, _, _ = make_pair("gpt2")

@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from .._checksum import CONFIG_NAME, WEIGHTS_NAME, verify_weights_checksum
 from ..parameter_layout import Layout, build_layout
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -124,7 +123,7 @@ class Region(Mapping[str, torch.Tensor]):
 def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
     """The region of the graft saved in folder ``path``, for the model whose structure is ``layout``."""
     path = os.fspath(path)
-    config_file, weights_file = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)
+    config_file, weights_file = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
     for file in (config_file, weights_file):
         if not os.path.isfile(file):
             raise ValueError(f"{path!r} is not a saved graft: {os.path.basename(file)} is missing.")
@@ -132,6 +131,7 @@ def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
         grafted_modules = json.load(handle).get("grafted_modules")
     if not isinstance(grafted_modules, dict):
         raise ValueError(f"{config_file} records no grafted_modules: it is not a graft adapter config.")
+    verify_weights_checksum(path)
     weights = load_file(weights_file)
     region = {}
     for module, count in grafted_modules.items():

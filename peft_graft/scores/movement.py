@@ -110,34 +110,57 @@ def finetuned_tensor(state: Mapping[str, torch.Tensor], layout: Layout, name: st
 def compute_movement(
     state: Mapping[str, torch.Tensor], layout: Layout, names: list[str], only_moved: bool
 ) -> dict[str, torch.Tensor]:
-    """``theta_ft - theta_pre`` in fp32 for each tensor in ``names``; unmoved tensors dropped if ``only_moved``."""
-    movement = {}
+    """``theta_ft - theta_pre`` in fp32 for each tensor in ``names`` (see :func:`exact_movement`)."""
+    return exact_movement(state, layout, names, only_moved)[0]
+
+
+def exact_movement(
+    state: Mapping[str, torch.Tensor], layout: Layout, names: list[str], only_moved: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The movement ``theta_ft - theta_pre`` (fp32) of each tensor in ``names``, and what no fp32 delta reproduces.
+
+    Each delta is that of :func:`exact_delta`: ``(theta_pre.float() + delta).to(dtype)`` is ``theta_ft`` bit for bit
+    wherever an fp32 delta can give it. The second dict holds, per tensor, the sorted flat indices where none can
+    (typically entries that fine-tuning shrank towards 0, whose delta is far larger than their value) and theta_ft
+    there as fp32. Unmoved tensors are dropped if ``only_moved``.
+    """
+    movement, unreachable = {}, {}
     for name in names:
         pre = layout.tensors[name].parameter.detach()
-        delta = finetuned_tensor(state, layout, name).detach().to(pre.device, torch.float32) - pre.float()
-        low, high = torch.aminmax(delta)  # one pass: NaN propagates, and both are 0 only if nothing moved
+        finetuned = finetuned_tensor(state, layout, name).detach().to(pre.device)
+        delta, missed = exact_delta(pre, finetuned)
+        low, high = torch.aminmax(delta)  # one pass: both are 0 only if nothing moved
         if not (torch.isfinite(low) and torch.isfinite(high)):
             bad = (~torch.isfinite(delta)).sum().item()
             raise ValueError(f"theta_ft - theta_pre has {bad} NaN or inf entries in tensor {name!r}.")
-        if only_moved and low == 0 and high == 0:
+        if only_moved and low == 0 and high == 0 and not missed.any():
             continue
         movement[name] = delta
-    return movement
+        if missed.any():
+            flat = missed.reshape(-1).nonzero().reshape(-1)
+            unreachable[name] = (flat, finetuned.to(pre.dtype).reshape(-1)[flat].float())
+    return movement, unreachable
 
 
-def exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> torch.Tensor:
-    """fp32 ``d`` with ``(pre.float() + d).to(pre.dtype) == finetuned`` bit for bit, entry by entry.
+def exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``d`` with ``(pre.float() + d).to(pre.dtype) == finetuned.to(pre.dtype)`` bit for bit where one exists,
+    and the boolean mask of the entries where none does.
 
-    ``finetuned - pre`` rounded to fp32 almost always satisfies this; a rare miss is repaired by stepping ``d`` one
-    ulp towards the target.
+    ``finetuned - pre`` rounded to fp32 almost always works; a miss of the sum's rounding is repaired by stepping ``d``
+    an ulp towards the target. No fp32 ``d`` exists where ``|d|`` is so much larger than the target that fp32 steps of
+    ``d`` are coarser than the target's own: e.g. a weight that fine-tuning shrank to a thousandth of its value.
     """
     target = finetuned.to(pre.dtype)
-    delta = finetuned.float() - pre.float()
+    base = pre.float()
+    delta = finetuned.float() - base
+    wrong = (base + delta).to(pre.dtype) != target
     for _ in range(4):
-        applied = (pre.float() + delta).to(pre.dtype)
-        wrong = applied != target
         if not wrong.any():
-            return delta
+            break
+        applied = (base + delta).to(pre.dtype)
         direction = torch.where(applied < target, torch.inf, -torch.inf)
         delta = torch.where(wrong, torch.nextafter(delta, direction), delta)
-    raise ValueError("theta_ft cannot be reproduced exactly from theta_pre plus an fp32 delta.")
+        wrong = (base + delta).to(pre.dtype) != target
+    if wrong.any():  # keep the plain rounded delta there: the closest an additive graft gets
+        delta = torch.where(wrong, finetuned.float() - base, delta)
+    return delta, wrong

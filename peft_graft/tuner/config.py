@@ -55,6 +55,10 @@ class GraftConfig(PeftConfig):
         grafted_modules: Filled in by the library: number of grafted entries per module (needed to load).
         base_fingerprint: Filled in by the library: theta_pre at a few grafted entries per module.
         base_checksum: Filled in by the library: a checksum of theta_pre at every grafted entry, per module.
+        exact_entries: Filled in by the library: the number of entries per module stored as theta_ft itself, because
+            no fp32 delta reproduces it (see ``GraftLayer``).
+        weights_checksum: Filled in when saving: the sha256 of ``adapter_model.safetensors``, checked when a local
+            graft is loaded.
     """
 
     # Not fields: a graft chooses its modules itself; peft's injection code reads these attributes.
@@ -116,6 +120,13 @@ class GraftConfig(PeftConfig):
     )
     base_fingerprint: dict[str, list[float]] = field(
         default_factory=dict, metadata={"help": "Set by the library: theta_pre at a few grafted entries per module."}
+    )
+    exact_entries: dict[str, int] = field(
+        default_factory=dict,
+        metadata={"help": "Set by the library: entries per module stored as theta_ft (no fp32 delta gives it)."},
+    )
+    weights_checksum: str | None = field(
+        default=None, metadata={"help": "Set when saving: sha256 of the adapter's weights file, verified on load."}
     )
 
     def __post_init__(self, finetuned: Any, given_region: Any) -> None:

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from torch import nn
 from torch.nn import functional as F
 
-from ..parameter_layout import NO_ENTRIES, FlatIndexSpace
+from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from .autograd import RecomputeSoftParameters
 from .learning import RegionLearner
 
@@ -30,10 +30,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     Per adapter it holds either a hard region (``graft_indices``, sorted, and fp32 ``graft_values`` = theta_ft -
     theta_pre there), or, while :class:`~peft_graft.MaskTrainer` learns the region, a :class:`RegionLearner`
     (``graft_learning``) with the scores S of paper Eq. 4. Only the hard region is ever saved.
+
+    Exactness: each value is the fp32 delta ``d`` with ``(theta_pre.float() + d).to(dtype) == theta_ft``. Where no
+    fp32 delta gives theta_ft (entries fine-tuning shrank towards 0), ``graft_exact_positions`` (positions among the
+    adapter's entries) and ``graft_exact_values`` (theta_ft there, fp32) hold it, and applying or merging the adapter
+    writes theta_ft itself there: 8 bytes per entry, 16 for those few.
     """
 
     adapter_layer_names = ("graft_values", "graft_learning")
-    other_param_names = ("graft_indices",)
+    other_param_names = ("graft_indices", "graft_exact_positions", "graft_exact_values")
 
     def __init__(
         self,
@@ -45,6 +50,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.base_layer = base_layer
         self.graft_values = nn.ParameterDict()
         self.graft_indices = BufferDict(persistent=True)
+        self.graft_exact_positions = BufferDict(persistent=True)
+        self.graft_exact_values = BufferDict(persistent=True)
         self.graft_learning = nn.ModuleDict()
         self.space = FlatIndexSpace(stored_attrs, [getattr(base_layer, attr).numel() for attr in stored_attrs])
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
@@ -54,6 +61,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
         self._disable_adapters = False
         self.merged_adapters = []
+        self.in_features, self.out_features = _get_in_out_features(base_layer)  # as peft's layers; None if unknown
 
     # ----------------------------------------------------------------------------------------------- state
     @property
@@ -73,24 +81,47 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         fingerprint: list[float],
         verify_base: bool,
         checksum: str | None = None,
+        num_exact: int = 0,
     ) -> None:
-        """Create an empty hard region of ``num_entries`` entries, to be filled by loading or :meth:`set_region`."""
+        """Create an empty hard region of ``num_entries`` entries (``num_exact`` of them stored as theta_ft), to be
+        filled by loading or :meth:`set_region`."""
         device = self._device()
-        self.graft_indices[adapter_name] = torch.zeros(num_entries, dtype=self.space.index_dtype(), device=device)
+        index_dtype = self.space.index_dtype()
+        self.graft_indices[adapter_name] = torch.zeros(num_entries, dtype=index_dtype, device=device)
         self.graft_values[adapter_name] = nn.Parameter(torch.zeros(num_entries, device=device))
+        if num_exact:
+            self.graft_exact_positions[adapter_name] = torch.zeros(num_exact, dtype=index_dtype, device=device)
+            self.graft_exact_values[adapter_name] = torch.zeros(num_exact, device=device)
         self.fingerprints[adapter_name] = list(fingerprint)
         if checksum:
             self.checksums[adapter_name] = checksum
         self.verify_base[adapter_name] = verify_base
 
-    def set_region(self, adapter_name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
-        """Set the hard region: sorted flat ``indices`` into this layer's space and fp32 ``values`` there."""
+    def set_region(
+        self,
+        adapter_name: str,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        unreachable: tuple[torch.Tensor, torch.Tensor] = NO_ENTRIES,
+    ) -> None:
+        """Set the hard region: sorted flat ``indices`` into this layer's space and fp32 ``values`` there.
+
+        ``unreachable``: sorted flat indices and theta_ft (fp32) where no fp32 delta reproduces theta_ft; those among
+        ``indices`` are stored exactly (see the class docstring), the others are ignored.
+        """
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_stored):
             raise ValueError(f"Graft indices out of range [0, {self.num_stored}) for adapter {adapter_name!r}.")
         device = self._device()
         requires_grad = adapter_name in self.graft_values and self.graft_values[adapter_name].requires_grad
         self.graft_indices[adapter_name] = indices.to(device, self.space.index_dtype())
         self.graft_values[adapter_name] = nn.Parameter(values.to(device, torch.float32), requires_grad=requires_grad)
+        positions, targets = exact_positions(indices, unreachable)
+        for container in (self.graft_exact_positions, self.graft_exact_values):
+            if adapter_name in container:
+                del container[adapter_name]
+        if positions.numel():
+            self.graft_exact_positions[adapter_name] = positions.to(device, self.space.index_dtype())
+            self.graft_exact_values[adapter_name] = targets.to(device, torch.float32)
         self.fingerprints[adapter_name] = self.base_values(indices[:2]).tolist()
         self.checksums[adapter_name] = self.base_checksum(indices)
         self.verify_base.setdefault(adapter_name, True)
@@ -98,6 +129,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def start_learning(self, adapter_name: str, learner: RegionLearner) -> None:
         """Attach the state to learn this adapter's region here, on the base layer's device."""
         self.graft_learning[adapter_name] = learner.to(self._device())  # the movement follows S on first use
+        if adapter_name in self.graft_values:  # not used while the region is learned: S is what trains
+            self.graft_values[adapter_name].requires_grad_(False)
+
+    def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
+        """peft's ``set_adapter``; the hard values of an adapter learning its region stay frozen (unused then)."""
+        super().set_adapter(adapter_names, inference_mode=inference_mode)
+        for adapter_name in self.graft_learning:
+            if adapter_name in self.graft_values:
+                self.graft_values[adapter_name].requires_grad_(False)
 
     def stop_learning(self, adapter_name: str) -> None:
         """Release the learning state of ``adapter_name`` (its hard region stays)."""
@@ -120,6 +160,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return learner.hard if learner.hard is not None else learner.harden()
         if adapter_name in self.graft_indices:
             return self.graft_indices[adapter_name], self.graft_values[adapter_name]
+        return NO_ENTRIES
+
+    def exact_entries(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions among entries(adapter_name), theta_ft as fp32)`` of the entries stored exactly."""
+        learner = self.learner(adapter_name)
+        if learner is not None:
+            return learner.exact_at(self.entries(adapter_name)[0])
+        if adapter_name in self.graft_exact_positions:
+            return self.graft_exact_positions[adapter_name], self.graft_exact_values[adapter_name]
         return NO_ENTRIES
 
     def region_by_tensor(self, adapter_name: str) -> dict[str, torch.Tensor]:
@@ -148,7 +197,12 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
     def sparse_entries(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(local indices, values)`` of the hard region of ``adapter_name`` in stored tensor ``attr``."""
-        return _entries_of(self.space, self.graft_indices[adapter_name], self.graft_values[adapter_name], attr)
+        entries = self._sparse_entries(adapter_name, attr)
+        return None if entries is None else entries[:2]
+
+    def _sparse_entries(self, adapter_name: str, attr: str) -> SparseEntries | None:
+        indices, values = self.graft_indices[adapter_name], self.graft_values[adapter_name]
+        return _entries_of(self.space, indices, values, self.exact_entries(adapter_name), attr)
 
     def _device(self) -> torch.device:
         param = next(self.base_layer.parameters(), None)
@@ -157,7 +211,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
         # Values stay fp32 whatever the base dtype (exactness), indices stay integers: move devices only.
         device = device or self._device()
-        for name in ("graft_values", "graft_indices"):
+        for name in ("graft_values", "graft_indices", "graft_exact_positions", "graft_exact_values"):
             container = getattr(self, name)
             if adapter_name in container and container[adapter_name].device != device:
                 item = container[adapter_name]
@@ -200,15 +254,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.verify_base[adapter_name] = False  # checked once
 
     # ----------------------------------------------------------------------------------------------- forward
-    def _contribution(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The sparse ``(indices, values)`` of tensor ``attr`` (of the rounded region while one is being learned)."""
+    def _contribution(self, adapter_name: str, attr: str) -> SparseEntries | None:
+        """The sparse entries of tensor ``attr`` (of the rounded region while one is being learned)."""
         learner = self.learner(adapter_name)
         if learner is not None and learner.hard is not None:
-            return _entries_of(self.space, *learner.hard, attr)
+            return _entries_of(self.space, *learner.hard, learner.exact_at(learner.hard[0]), attr)
         if adapter_name not in self.graft_values:
             return None
         self.check_base(adapter_name)
-        return self.sparse_entries(adapter_name, attr)
+        return self._sparse_entries(adapter_name, attr)
 
     def effective_parameters(
         self, adapter_names: list[str], recipes: dict[str, tuple[Any, str]] | None = None
@@ -244,9 +298,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 contribution = layer._contribution(adapter_name, source_attr)
                 if contribution is None:
                     continue
-                indices, values = contribution
                 flat = value.reshape(-1)
-                value = flat.index_put((indices,), (flat[indices].float() + values).to(param.dtype)).view_as(param)
+                grafted = graft_entries(flat, contribution, first=value is param)
+                value = flat.index_put((contribution[0],), grafted).view_as(param)
                 recipe = None
             if value is not param:
                 overrides[attr] = value
@@ -318,15 +372,17 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _merged_values(self, adapter_name: str, check_finite: bool = False) -> list[tuple | None]:
         """Per stored tensor, ``(indices, original values, merged values)`` of ``adapter_name``, or ``None``."""
         out = []
+        first = not self.merged_adapters  # theta_pre is in the base tensors: exact entries write theta_ft
         for attr in self.stored_attrs:
-            entries = self.sparse_entries(adapter_name, attr) if adapter_name in self.graft_values else None
+            entries = self._sparse_entries(adapter_name, attr) if adapter_name in self.graft_values else None
             if entries is None:
                 out.append(None)
                 continue
-            indices, values = entries
+            indices = entries[0]
             flat = getattr(self.base_layer, attr).data.view(-1)
             original = flat[indices].clone()
-            merged = (original.float() + values.detach()).to(flat.dtype)
+            with torch.no_grad():
+                merged = graft_entries(flat, entries, first)
             if check_finite and not torch.isfinite(merged).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter_name} seems to be broken")
             out.append((indices, original, merged))
@@ -360,7 +416,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             adapter_name = self.merged_adapters.pop()
             for attr, original in zip(self.stored_attrs, self._merge_backup.pop(adapter_name), strict=True):
                 if original is not None:
-                    indices, _ = self.sparse_entries(adapter_name, attr)
+                    indices = self.sparse_entries(adapter_name, attr)[0]
                     getattr(self.base_layer, attr).data.view(-1)[indices] = original
 
     def delete_adapter(self, adapter_name: str) -> None:
@@ -373,14 +429,37 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return "graft." + super().__repr__()
 
 
+SparseEntries = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+"""``(local flat indices, fp32 deltas, (positions among them, theta_ft there))`` of one tensor."""
+
+
 def _entries_of(
-    space: FlatIndexSpace, indices: torch.Tensor, values: torch.Tensor, attr: str
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(local indices, values)`` of the sorted flat ``indices`` that fall in tensor ``attr``, or ``None``."""
+    space: FlatIndexSpace,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    exact: tuple[torch.Tensor, torch.Tensor],
+    attr: str,
+) -> SparseEntries | None:
+    """The entries of the sorted flat ``indices`` that fall in tensor ``attr``, or ``None``; ``exact`` holds positions
+    among all ``indices``."""
     for name, local, position in space.split(indices):
         if name == attr:
-            return local, values[position]
+            positions, targets = exact
+            if positions.numel():
+                inside = (positions >= position.start) & (positions < position.stop)
+                exact = (positions[inside].to(torch.int64) - position.start, targets[inside])
+            return local, values[position], exact
     return None
+
+
+def graft_entries(flat: torch.Tensor, entries: SparseEntries, first: bool) -> torch.Tensor:
+    """The values of ``flat`` at the entries once grafted, in its dtype: ``(flat.float() + delta).to(dtype)``, and
+    theta_ft itself at the exact entries when this is the first adapter applied to ``flat`` (still theta_pre there)."""
+    indices, values, (positions, targets) = entries
+    grafted = flat[indices].float() + values
+    if first and positions.numel():
+        grafted = grafted.index_put((positions.to(grafted.device),), targets.to(grafted.device))
+    return grafted.to(flat.dtype)
 
 
 def _rebuilder(layer: GraftLayer, adapter_name: str):

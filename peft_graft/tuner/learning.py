@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parameter_layout import FlatIndexSpace
+from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from ..regions import global_top_k
 from .autograd import BufferPool, GraftedRows, GraftedSearchSpace, GraftedTensors
 
@@ -31,6 +31,8 @@ class RegionLearner(nn.Module):
         search_indices: Sorted flat indices S covers, or ``None`` for the whole space.
         score_init_width: S starts uniform in ``[score_init, score_init + score_init_width)``, drawn with ``generator``.
         generator: Seeded generator of the uniform start.
+        unreachable: Sorted flat indices and theta_ft (fp32) of the entries no fp32 delta reproduces
+            (``scores.exact_movement``), to be stored exactly by the hard region.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class RegionLearner(nn.Module):
         search_indices: torch.Tensor | None = None,
         score_init_width: float = 0.0,
         generator: torch.Generator | None = None,
+        unreachable: tuple[torch.Tensor, torch.Tensor] = NO_ENTRIES,
     ) -> None:
         super().__init__()
         if search_indices is not None:
@@ -57,6 +60,7 @@ class RegionLearner(nn.Module):
         self.space = space
         self.movement = movement.to(torch.float32)
         self.search_indices = search_indices
+        self.unreachable = unreachable
         self.register_buffer("base_region", base_region.to(torch.int64), persistent=False)
         scores = torch.full(self.movement.shape, float(score_init))
         if score_init_width:
@@ -98,6 +102,10 @@ class RegionLearner(nn.Module):
     def entries_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(flat indices, movement)`` at sorted ``positions`` in S."""
         return self.flat_indices(positions), self._movement()[positions]
+
+    def exact_at(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions in sorted flat indices, theta_ft)`` of the entries among ``indices`` stored exactly."""
+        return exact_positions(indices, self.unreachable)
 
     def num_hard_entries(self) -> int:
         """Size of ``round(gamma)`` (moved entries only), without materialising the region."""

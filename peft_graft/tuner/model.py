@@ -81,11 +81,14 @@ class GraftModel(BaseTuner):
             layer = GraftLayer(target, plan.layout.stored.get(current_key, []), tied)
             self._replace_module(parent, target_name, layer, target)
         if current_key in plan.regions:
-            layer.set_region(adapter_name, *plan.regions[current_key])
+            layer.set_region(adapter_name, *plan.regions[current_key], plan.unreachable.get(current_key, NO_ENTRIES))
         elif current_key in plan.entries:
             fingerprint = config.base_fingerprint.get(current_key, [])
             checksum = config.base_checksum.get(current_key)
-            layer.update_layer(adapter_name, plan.entries[current_key], fingerprint, config.verify_base, checksum)
+            num_exact = config.exact_entries.get(current_key, 0)
+            layer.update_layer(
+                adapter_name, plan.entries[current_key], fingerprint, config.verify_base, checksum, num_exact
+            )
         if current_key in plan.learning:
             learning = plan.learning[current_key]
             # Seeded by module name: the same S on every process, whatever the order modules are visited in.
@@ -98,6 +101,7 @@ class GraftModel(BaseTuner):
                 learning.search_indices,
                 config.score_init_width,
                 generator,
+                learning.unreachable,
             )
             layer.start_learning(adapter_name, learner)
         if adapter_name not in self.active_adapters:
@@ -233,7 +237,7 @@ class GraftModel(BaseTuner):
             indices, values = hardened.get(module, NO_ENTRIES) if hardened is not None else learner.harden()
             layer = self.model.get_submodule(module)
             layer.stop_learning(adapter_name)
-            layer.set_region(adapter_name, indices, values)
+            layer.set_region(adapter_name, indices, values, learner.unreachable)
             total += int(indices.numel())
         _record_layout(self.model, self.peft_config[adapter_name], adapter_name)
         self.peft_config[adapter_name].learn_region = False
@@ -267,12 +271,17 @@ class GraftModel(BaseTuner):
             if indices.numel() == 0:
                 continue
             stacked = torch.full((len(entries), indices.numel()), torch.nan)
+            exact = torch.full((len(entries), indices.numel()), torch.nan)  # theta_ft of entries stored exactly
             for row, (idx, val) in enumerate(entries):
-                stacked[row, torch.searchsorted(indices, idx.to(torch.int64))] = val.detach().float()
-            regions[module] = (indices, _combine(stacked, combination))
-        for module, (indices, values) in regions.items():
+                columns = torch.searchsorted(indices, idx.to(torch.int64))
+                stacked[row, columns] = val.detach().float().cpu()
+                positions, targets = layer.exact_entries(adapter_names[row])
+                exact[row, columns[positions.to(torch.int64).cpu()]] = targets.float().cpu()
+            values = _combine(stacked, combination)
+            regions[module] = (indices, values, _exact_after_combining(stacked, exact, values, indices))
+        for module, (indices, values, unreachable) in regions.items():
             layer = self.model.get_submodule(module)
-            layer.set_region(combined_name, indices, values)
+            layer.set_region(combined_name, indices, values, unreachable)
             layer.graft_values[combined_name].requires_grad_(False)
         _record_layout(self.model, config, combined_name)
         self.model.peft_config = self.peft_config
@@ -299,8 +308,13 @@ class GraftModel(BaseTuner):
         for name, module in model.named_modules():
             if isinstance(module, GraftLayer) and module.is_learning(adapter_name):
                 indices, values = module.entries(adapter_name)
-                out[f"{name}.graft_indices.{adapter_name}"] = indices.to(module.space.index_dtype())
+                index_dtype = module.space.index_dtype()
+                out[f"{name}.graft_indices.{adapter_name}"] = indices.to(index_dtype)
                 out[f"{name}.graft_values.{adapter_name}"] = values
+                positions, targets = module.exact_entries(adapter_name)
+                if positions.numel():
+                    out[f"{name}.graft_exact_positions.{adapter_name}"] = positions.to(index_dtype)
+                    out[f"{name}.graft_exact_values.{adapter_name}"] = targets
         _record_layout(model, config, adapter_name)
         return out
 
@@ -308,30 +322,63 @@ class GraftModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         """Check the checkpoint against the config and the model before anything is loaded."""
         layers = {n.removeprefix(PEFT_PREFIX): m for n, m in model.named_modules() if isinstance(m, GraftLayer)}
+
+        def tensor(module: str, name: str) -> torch.Tensor | None:
+            return state_dict.get(f"{PEFT_PREFIX}{module}.{name}", state_dict.get(f"{module}.{name}"))
+
         for module, count in config.grafted_modules.items():
-            indices = state_dict.get(f"{PEFT_PREFIX}{module}.graft_indices", state_dict.get(f"{module}.graft_indices"))
-            values = state_dict.get(f"{PEFT_PREFIX}{module}.graft_values", state_dict.get(f"{module}.graft_values"))
+            indices, values = tensor(module, "graft_indices"), tensor(module, "graft_values")
             if indices is None or values is None:
                 raise ValueError(f"The adapter file has no graft entries for module {module!r}: it is incomplete.")
             validate_entries(indices, values, count, layers[module].num_stored, module)
+            num_exact = config.exact_entries.get(module, 0)
+            positions, targets = tensor(module, "graft_exact_positions"), tensor(module, "graft_exact_values")
+            if num_exact or positions is not None or targets is not None:
+                if positions is None or targets is None:
+                    raise ValueError(
+                        f"Module {module!r}: the adapter config records {num_exact} entries stored as theta_ft but the "
+                        "file lacks graft_exact_positions/graft_exact_values: config and weights do not match."
+                    )
+                validate_entries(positions, targets, num_exact, count, module, "exact entries")
         return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
 
-def validate_entries(indices: torch.Tensor, values: torch.Tensor, count: int, num_stored: int, module: str) -> None:
-    """Raise a clear error for graft entries that do not fit their module."""
+def validate_entries(
+    indices: torch.Tensor, values: torch.Tensor, count: int, size: int, module: str, what: str = "graft entries"
+) -> None:
+    """Raise a clear error for entries that do not fit their module: int32/int64 indices into ``[0, size)``, strictly
+    increasing, and ``count`` finite fp32 values (no silent cast from another dtype)."""
     if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"Graft indices of module {module!r} have dtype {indices.dtype}; expected int32 or int64.")
+        raise ValueError(f"Module {module!r}: {what} have index dtype {indices.dtype}; expected int32 or int64.")
+    if values.dtype != torch.float32:
+        raise ValueError(
+            f"Module {module!r}: {what} have value dtype {values.dtype}; graft values are float32. The file was not "
+            "written by peft_graft, or was altered: save the graft again."
+        )
     if indices.shape != (count,) or values.shape != (count,):
         raise ValueError(
-            f"Module {module!r}: the adapter config records {count} grafted entries but the file holds "
+            f"Module {module!r}: the adapter config records {count} {what} but the file holds "
             f"{tuple(indices.shape)} indices and {tuple(values.shape)} values: config and weights do not match."
         )
-    if count and (int(indices.min()) < 0 or int(indices.max()) >= num_stored):
-        raise ValueError(f"Graft indices of module {module!r} fall outside [0, {num_stored}): the file is corrupt.")
+    if count and (int(indices.min()) < 0 or int(indices.max()) >= size):
+        raise ValueError(f"Module {module!r}: {what} fall outside [0, {size}): the file is corrupt.")
     if count > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise ValueError(f"Graft indices of module {module!r} are not strictly increasing: the file is corrupt.")
+        raise ValueError(f"Module {module!r}: {what} are not strictly increasing: the file is corrupt.")
     if not torch.isfinite(values).all():
-        raise ValueError(f"Graft values of module {module!r} contain NaN or inf: the file is corrupt.")
+        raise ValueError(f"Module {module!r}: {what} contain NaN or inf values: the file is corrupt.")
+
+
+def _exact_after_combining(
+    stacked: torch.Tensor, exact: torch.Tensor, values: torch.Tensor, indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combined entries to store exactly: those whose combined value is one graft's own delta where that graft
+    stores theta_ft exactly (a single graft there, or the one ``"first"``/``"last"`` picked)."""
+    picked = (stacked == values) & ~torch.isnan(exact)
+    if not picked.any():
+        return NO_ENTRIES
+    row = picked.float().argmax(0)
+    columns = picked.any(0).nonzero().reshape(-1)
+    return indices[columns], exact[row[columns], columns]
 
 
 def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
@@ -354,13 +401,16 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
     """Store the per-module entry counts and base fingerprint and checksum of an adapter in its config (needed to load
     it). A hard region keeps what was recorded from theta_pre when it was set, so saving while merged records theta_pre,
     not the merged values."""
-    counts, fingerprints, checksums = {}, {}, {}
+    counts, fingerprints, checksums, exact = {}, {}, {}, {}
     for name, module in model.named_modules():
         if isinstance(module, GraftLayer):
             indices, _ = module.entries(adapter_name)
             if indices.numel():
                 key = name.removeprefix(PEFT_PREFIX)
                 counts[key] = int(indices.numel())
+                num_exact = int(module.exact_entries(adapter_name)[0].numel())
+                if num_exact:
+                    exact[key] = num_exact
                 hard = adapter_name in module.graft_values and not module.is_learning(adapter_name)
                 fingerprints[key] = (
                     module.fingerprints[adapter_name] if hard else module.base_values(indices[:2]).tolist()
@@ -369,6 +419,7 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
                 if checksum:
                     checksums[key] = checksum
     config.grafted_modules, config.base_fingerprint, config.base_checksum = counts, fingerprints, checksums
+    config.exact_entries = exact
 
 
 def _modules_to_save_tensor(model: nn.Module, name: str, adapter_name: str) -> nn.Parameter | None:

@@ -6,8 +6,12 @@ peft writes adapter files in place and offers no hook around saving or loading, 
 path.
 
 - ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
-  ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves.
-  An interrupted save leaves the previous adapter, or none, never a half-written file.
+  ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves
+  and hard links to the replaced files kept until all are in place. A save killed part way (even by SIGKILL) is
+  finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which also removes
+  the staging folders of dead processes: the folder holds the previous adapter or the new one, never a mix.
+- The config of a saved graft records the sha256 of its weights file (``weights_checksum``); loading a local graft
+  whose file does not match it is a ``ValueError``.
 - A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
   base) removes the half-added adapter again, so the model is left as it was, and a corrupt safetensors file is
   reported as a ``ValueError`` naming the folder.
@@ -19,6 +23,7 @@ path.
 
 from __future__ import annotations
 
+import filecmp
 import functools
 import json
 import os
@@ -31,10 +36,12 @@ from huggingface_hub import HfApi, ModelCard
 from peft import PeftModel
 from safetensors import SafetensorError
 
+from .._checksum import CONFIG_NAME, record_weights_checksum, verify_weights_checksum
 from .config import GRAFT_NAME
 
+STAGING, PREVIOUS = "saving", "previous"  # the hidden folders a save keeps beside its destination
+
 CARD_TAGS = ("graft", "skill-localization")
-CONFIG_NAME = "adapter_config.json"
 CARD_SECTION = "## Graft"
 
 
@@ -50,12 +57,16 @@ def _wrap_save(original):
         save_directory = os.path.abspath(os.fspath(save_directory))
         parent = os.path.dirname(save_directory)
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(save_directory)}.saving-", dir=parent)
+        recover_interrupted_save(save_directory)
+        staging = tempfile.mkdtemp(prefix=_side_prefix(save_directory, STAGING), dir=parent)
         try:
             existing_card = os.path.join(save_directory, "README.md")
             if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
                 shutil.copy2(existing_card, staging)
             original(self, staging, *args, **kwargs)
+            for root, _, names in os.walk(staging):
+                if CONFIG_NAME in names:
+                    record_weights_checksum(root)
             write_graft_card_section(self, staging)
             _move_into_place(staging, save_directory)
         finally:
@@ -67,7 +78,11 @@ def _wrap_save(original):
 def _wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
+        if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
+            recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
         _refuse_pickled_graft(model_id, kwargs.get("subfolder"))
+        if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
+            verify_weights_checksum(os.path.join(os.fspath(model_id), kwargs.get("subfolder") or ""))
         is_new = adapter_name not in self.peft_config
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
@@ -153,16 +168,108 @@ def _signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _side_prefix(destination: str, kind: str) -> str:
+    """Name prefix of the hidden folders a save of ``destination`` keeps beside it; the pid follows."""
+    return f".{os.path.basename(destination)}.{kind}-{os.getpid()}-"
+
+
+def _side_folders(destination: str, kind: str) -> list[tuple[str, int]]:
+    """``(path, pid)`` of the hidden ``kind`` folders beside ``destination``."""
+    parent, prefix = os.path.dirname(destination), f".{os.path.basename(destination)}.{kind}-"
+    found = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        pid = name[len(prefix) :].split("-", 1)[0]
+        if name.startswith(prefix) and pid.isdigit():
+            found.append((os.path.join(parent, name), int(pid)))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _adapter_consistent(folder: str) -> bool:
+    """Whether every graft adapter under ``folder`` has the weights its config's checksum names."""
+    for root, _, names in os.walk(folder):
+        if CONFIG_NAME in names:
+            try:
+                verify_weights_checksum(root)
+            except ValueError:
+                return False
+    return True
+
+
+def _configs_replaced(backup: str, destination: str) -> bool:
+    """Whether every adapter config the interrupted save was replacing has been moved into place (they move last)."""
+    for root, _, names in os.walk(backup):
+        if CONFIG_NAME in names:
+            rel = os.path.relpath(os.path.join(root, CONFIG_NAME), backup)
+            current = os.path.join(destination, rel)
+            if os.path.isfile(current) and filecmp.cmp(os.path.join(backup, rel), current, shallow=False):
+                return False
+    return True
+
+
+def recover_interrupted_save(destination: str) -> None:
+    """Finish or undo a save of ``destination`` that a killed process left half done, and drop its staging folders.
+
+    A save keeps hard links to the files it replaces in a hidden ``previous`` folder until every new file is in place.
+    If one is left over from a dead process: when every replaced config has been moved into place (configs move last)
+    and each config's weights checksum matches, the save had finished; otherwise the previous files are moved back.
+    Either way the folder holds one whole adapter again.
+    """
+    for staging, pid in _side_folders(destination, STAGING):
+        if not _alive(pid):
+            shutil.rmtree(staging, ignore_errors=True)
+    for backup, pid in _side_folders(destination, PREVIOUS):
+        if _alive(pid):
+            continue
+        if not (_configs_replaced(backup, destination) and _adapter_consistent(destination)):
+            for root, _, names in os.walk(backup):
+                for name in names:
+                    source = os.path.join(root, name)
+                    target = os.path.join(destination, os.path.relpath(source, backup))
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    os.replace(source, target)
+        shutil.rmtree(backup, ignore_errors=True)
+
+
 def _move_into_place(staging: str, destination: str) -> None:
+    """Move the staged files into ``destination`` (configs last), keeping links to the files they replace until all
+    are in place, so that :func:`recover_interrupted_save` can undo a move a kill interrupted."""
     files = [
         os.path.relpath(os.path.join(root, name), staging) for root, _, names in os.walk(staging) for name in names
     ]
     files.sort(key=lambda rel: (os.path.basename(rel) == CONFIG_NAME, rel))  # configs last
+    replaced = [rel for rel in files if os.path.isfile(os.path.join(destination, rel))]
+    backup = None
+    if replaced:
+        backup = tempfile.mkdtemp(prefix=_side_prefix(destination, PREVIOUS), dir=os.path.dirname(destination))
+        for rel in replaced:
+            os.makedirs(os.path.dirname(os.path.join(backup, rel)), exist_ok=True)
+            _link_or_copy(os.path.join(destination, rel), os.path.join(backup, rel))
     for rel in files:
         os.makedirs(os.path.dirname(os.path.join(destination, rel)), exist_ok=True)
     with _signals_deferred():
         for rel in files:
             os.replace(os.path.join(staging, rel), os.path.join(destination, rel))
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, target)
 
 
 def write_graft_card_section(model: PeftModel, folder: str) -> None:

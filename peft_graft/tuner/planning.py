@@ -14,7 +14,7 @@ from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, Layout
 from ..regions import Region, RegionRequest, choose_region, top_k_movement
-from ..scores.movement import compute_movement, eligible_tensors, finetuned_tensor, is_saved_whole, load_finetuned
+from ..scores.movement import eligible_tensors, exact_movement, finetuned_tensor, is_saved_whole, load_finetuned
 from .config import GraftConfig
 
 
@@ -30,6 +30,7 @@ class LearningPlan:
     movement: torch.Tensor
     base_region: torch.Tensor
     search_indices: torch.Tensor | None = None
+    unreachable: tuple[torch.Tensor, torch.Tensor] = NO_ENTRIES  # (sorted flat indices, theta_ft): see Plan
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Plan:
     targets: set[str] = field(default_factory=set)  # modules to wrap: storage modules and users of tied tensors
     entries: dict[str, int] = field(default_factory=dict)  # storage module -> number of grafted entries
     regions: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # module -> (indices, values)
+    # module -> (sorted flat indices, theta_ft as fp32) of the entries no fp32 delta reproduces (scores.exact_delta)
+    unreachable: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     learning: dict[str, LearningPlan] = field(default_factory=dict)  # modules whose region is learned
     saved_whole: dict[str, torch.Tensor] = field(default_factory=dict)  # theta_ft of modules_to_save tensors
 
@@ -60,7 +63,7 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
         raise ValueError("GraftConfig needs finetuned=<model, path, Hub id or state dict> to create a graft.")
     state = load_finetuned(config._finetuned, model)
     eligible = eligible_tensors(layout, config.include_parameters, config.exclude_parameters, config.modules_to_save)
-    movement = compute_movement(state, layout, eligible, config.only_moved)
+    movement, unreachable = exact_movement(state, layout, eligible, config.only_moved)
     if not movement:
         raise ValueError("No eligible tensor moved during fine-tuning: check finetuned and the parameter filters.")
     request = RegionRequest(movement, config.budget, layout, config.seed, config._given_region)
@@ -75,6 +78,7 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
         indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         order = indices.argsort()
         plan.regions[module] = (indices[order], values[order])
+    plan.unreachable = _module_unreachable(layout, unreachable)
     if config.learn_region and config.searches_subset:
         _plan_search_space(plan, config, movement, region)
     elif config.learn_region:
@@ -96,7 +100,8 @@ def _plan_dense_learning(plan: Plan, movement: dict[str, torch.Tensor]) -> None:
             movement[info.name].reshape(-1) if info.name in movement else torch.zeros(info.parameter.numel())
             for info in (layout.by_site[(module, attr)] for attr in layout.stored[module])
         ]
-        plan.learning[module] = LearningPlan(torch.cat(flat), plan.regions.get(module, NO_ENTRIES)[0])
+        base = plan.regions.get(module, NO_ENTRIES)[0]
+        plan.learning[module] = LearningPlan(torch.cat(flat), base, None, plan.unreachable.get(module, NO_ENTRIES))
         plan.regions.setdefault(module, NO_ENTRIES)
 
 
@@ -117,6 +122,26 @@ def _plan_search_space(plan: Plan, config: GraftConfig, movement: dict[str, torc
         search = torch.cat(indices)  # sorted: tensors in offset order, each Region entry sorted
         base = plan.regions.get(module, NO_ENTRIES)[0]
         plan.learning[module] = LearningPlan(
-            torch.cat(values), torch.searchsorted(search, base.to(torch.int64)), search
+            torch.cat(values),
+            torch.searchsorted(search, base.to(torch.int64)),
+            search,
+            plan.unreachable.get(module, NO_ENTRIES),
         )
         plan.regions.setdefault(module, NO_ENTRIES)
+
+
+def _module_unreachable(
+    layout: Layout, unreachable: dict[str, tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-tensor unreachable entries (``exact_movement``) as sorted flat indices of each module's index space."""
+    pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, (local, targets) in unreachable.items():
+        info = layout.tensors[name]
+        start = layout.index_space(info.module).start(info.attr)
+        pieces.setdefault(info.module, []).append((local + start, targets))
+    out = {}
+    for module, parts in pieces.items():
+        indices, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        order = indices.argsort()
+        out[module] = (indices[order], targets[order])
+    return out
