@@ -76,6 +76,13 @@ class GraftArguments:
         default=0.0,
         metadata={"help": "S starts uniform in [-10, -10 + width) (the reference code: 1); 0: constant -10."},
     )
+    select_on: str = field(
+        default="train+validation",
+        metadata={
+            "help": "Data the mask is selected on: 'train+validation' (summed, the paper) or 'validation' (only: "
+            "unbiased when the k-shot training set, which S is fitted to, is balanced and the task is not)."
+        },
+    )
     select_every: int | None = field(
         default=10,
         metadata={
@@ -134,8 +141,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     if eval_dataset is not None and graft_args.select_every and training_args.eval_strategy == "no":
         training_args.eval_strategy = IntervalStrategy.STEPS
         training_args.eval_steps = graft_args.select_every
-        training_args.select_on_train = True
-        training_args.metric_for_best_model = f"train_plus_eval_{graft_args.select_metric}"
+        if graft_args.select_on not in ("train+validation", "validation"):
+            raise ValueError(f"--select_on {graft_args.select_on!r}: use 'train+validation' or 'validation'.")
+        on_train = graft_args.select_on == "train+validation"
+        training_args.select_on_train = on_train
+        training_args.metric_for_best_model = f"{'train_plus_eval_' if on_train else ''}{graft_args.select_metric}"
         training_args.greater_is_better = graft_args.select_metric not in ("loss", "nll", "ece", "brier")
     trainer = MaskTrainer(
         model=model,

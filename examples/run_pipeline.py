@@ -49,10 +49,10 @@ SWEEP_FRACTIONS = (1e-2,)
 
 # Sized for under 15 minutes on 2 CPU cores (the paper's 100 mask steps, at batch 16).
 DEFAULT = dict(k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=16,
-               test_size=1000, sweep_samples=500)  # fmt: skip
+               test_size=1000, dev_size=500, sweep_samples=500)  # fmt: skip
 # Appendix A.2: k = 512 per class, 16 x n x k steps, mask training on the whole (1,024-example) set.
 PAPER = dict(k_shot=512, max_seq_length=128, ft_steps=None, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=1024,
-             test_size=2000, sweep_samples=2000)  # fmt: skip
+             test_size=2000, dev_size=1000, sweep_samples=2000)  # fmt: skip
 SMOKE = dict(
     k_shot=4,
     max_seq_length=32,
@@ -62,6 +62,7 @@ SMOKE = dict(
     mask_steps=2,
     mask_batch=8,
     test_size=32,
+    dev_size=32,
     sweep_samples=32,
 )
 
@@ -120,15 +121,16 @@ def raw_task_frame(task: str):
     raise ValueError(f"Unknown task {task!r}: use one of {TASKS}.")
 
 
-def prepare_data(task: str, data_dir: Path, test_size: int, dev_per_class: int, ood_size: int | None) -> dict:
-    """Shuffled (seed 0) splits as csv files: ``test`` (held out), ``dev`` (``dev_per_class`` examples per class, for
-    mask selection and temperature scaling), ``train`` (the pool the k-shot training sample comes from), and for MR
-    the out-of-distribution Amazon set ``ood``. The splits are disjoint."""
+def prepare_data(task: str, data_dir: Path, test_size: int, dev_size: int, ood_size: int | None) -> dict:
+    """Shuffled (seed 0) splits as csv files: ``test`` (held out), ``dev`` (``dev_size`` examples drawn like the test
+    set, with the task's own class frequencies, for mask selection and temperature scaling), ``train`` (the pool the
+    class-balanced k-shot training sample comes from), and for MR the out-of-distribution Amazon set ``ood``. The
+    splits are disjoint."""
     data_dir.mkdir(parents=True, exist_ok=True)
     frame = task_frame(task).sample(frac=1.0, random_state=0).reset_index(drop=True)
-    test, pool = frame.iloc[:test_size], frame.iloc[test_size:]
-    dev = pool.groupby("label").head(dev_per_class)
-    splits = {"test": test, "dev": dev, "train": pool.drop(dev.index)}
+    test, dev = frame.iloc[:test_size], frame.iloc[test_size : test_size + dev_size]
+    pool = frame.iloc[test_size + dev_size :]
+    splits = {"test": test, "dev": dev, "train": pool}
     if task == "mr":
         amazon = sentiment_frame("amazonReviewSnippets_GroundTruth.txt").sample(frac=1.0, random_state=0)
         splits["ood"] = amazon.iloc[:ood_size]
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     data = prepare_data(
-        args.task, work / "data", settings["test_size"], settings["k_shot"], 32 if args.causal_smoke else None
+        args.task, work / "data", settings["test_size"], settings["dev_size"], 32 if args.causal_smoke else None
     )
     if args.causal_smoke:
         model, model_name = smollm_dir(work), "SmolLM2-135M-Instruct (dequantized Q4_1 GGUF)"
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_step(run_graft, [
             "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
             "--base_num_entries", str(max(1, round(fraction * num_parameters))),
-            "--validation_dataset", data["dev"], "--validation_split", "train",
+            "--validation_dataset", data["dev"], "--validation_split", "train", "--select_on", "validation",
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
             "--logging_steps", "25",

@@ -113,6 +113,14 @@ def build_layout(model: nn.Module) -> Layout:
             skip_prefixes.extend(f"{name}.{child}" for child, _ in module.named_children() if child != "base_layer")
             continue
         is_leaf = next(module.children(), None) is None
+        if isinstance(module, nn.MultiheadAttention):
+            # Its forward reads out_proj's weight and bias directly (F.multi_head_attention_forward), never through
+            # out_proj's own forward: a graft wrapped around out_proj would be ignored unless merged.
+            direct = f"{name}.out_proj" if name else "out_proj"
+            skip_prefixes.append(direct)  # registered here as used by a non-leaf module: not graftable
+            for attr, param in module.out_proj._parameters.items():
+                if param is not None:
+                    registrations.setdefault(id(param), []).append((_normalize(direct), attr, False, param))
         for attr, param in module._parameters.items():
             if param is not None:
                 registrations.setdefault(id(param), []).append((_normalize(name), attr, is_leaf, param))

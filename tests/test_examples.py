@@ -301,6 +301,16 @@ def test_graft_selects_the_mask_on_train_plus_validation(assets, finetuned, tmp_
     assert f"eval_train_plus_eval_{metric}" in results
 
 
+def test_graft_selects_the_mask_on_validation_only(assets, finetuned, tmp_path):
+    extra = ["--validation_dataset", assets["test"], "--validation_split", "train", "--select_every", "1"]
+    results = run_graft.main(
+        graft_args(assets, finetuned, "classification", tmp_path, *extra, "--select_on", "validation")
+    )
+    assert "selected_step" in results and not any("train_plus_eval" in key for key in results)
+    with pytest.raises(ValueError, match="--select_on"):
+        run_graft.main(graft_args(assets, finetuned, "classification", tmp_path, *extra, "--select_on", "test"))
+
+
 def test_graft_exclude_parameters_keeps_them_out_of_the_region(assets, finetuned, tmp_path):
     run_graft.main(
         graft_args(assets, finetuned, "classification", tmp_path, "--exclude_parameters", "pooler", "attention")
@@ -358,7 +368,7 @@ def test_evaluate_writes_the_report(assets, finetuned, grafted, head, tmp_path):
 # ---------------------------------------------------------------------------------------------------------- pipeline
 @pytest.mark.parametrize(("task", "rows", "classes"), [("mr", 10605, 2), ("trec", 5452, 6), ("sms", 4837, 2)])
 def test_pipeline_data_split(tmp_path, task, rows, classes):
-    """The main command's data: disjoint test / dev / train splits, k dev examples per class, every row read."""
+    """The main command's data: disjoint test / dev / train splits, test and dev drawn alike, every row read."""
     import importlib.metadata
 
     try:
@@ -374,9 +384,11 @@ def test_pipeline_data_split(tmp_path, task, rows, classes):
     raw, frame = run_pipeline.raw_task_frame(task), run_pipeline.task_frame(task)
     assert len(raw) == rows and frame["label"].nunique() == classes and not frame["text"].isna().any()
     assert frame["text"].is_unique and set(frame["text"]) == set(raw["text"])
-    paths = run_pipeline.prepare_data(task, tmp_path, test_size=100, dev_per_class=8, ood_size=50)
+    paths = run_pipeline.prepare_data(task, tmp_path, test_size=1000, dev_size=500, ood_size=50)
     splits = {name: pd.read_csv(path) for name, path in paths.items()}
-    assert len(splits["test"]) == 100 and (splits["dev"]["label"].value_counts() == 8).all()
+    assert len(splits["test"]) == 1000 and len(splits["dev"]) == 500
+    share = {name: splits[name]["label"].value_counts(normalize=True) for name in ("test", "dev")}
+    assert (share["test"] - share["dev"]).abs().max() < 0.06  # the task's own class frequencies in both
     assert len(splits["test"]) + len(splits["dev"]) + len(splits["train"]) == len(frame)
     texts = [set(splits[name]["text"]) for name in ("test", "dev", "train")]
     assert not (texts[0] & texts[1]) and not (texts[0] & texts[2]) and not (texts[1] & texts[2])

@@ -355,3 +355,66 @@ def test_saving_while_merged_writes_a_graft_its_base_accepts(pair, tmp_path):
     loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=input_ids()).logits, expected)
+
+
+class AttentionThenLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.mha(x, x, x)[0])
+
+
+def test_multihead_attention_out_proj_is_not_grafted_silently(caplog):
+    """nn.MultiheadAttention reads out_proj.weight directly: it is reported as not graftable, never wrapped."""
+    torch.manual_seed(0)
+    pre, finetuned = AttentionThenLinear().eval(), AttentionThenLinear().eval()
+    with torch.no_grad():
+        for param in finetuned.parameters():
+            param.add_(1.0)
+    x = torch.randn(2, 3, 8)
+    with caplog.at_level("WARNING", logger="peft_graft"):
+        model = get_peft_model(pre, GraftConfig(finetuned=finetuned, sparsity=1.0))
+    assert set(model.get_region()) == {"lin.weight", "lin.bias"}
+    assert "mha.out_proj.weight" in caplog.text
+    assert not isinstance(model.get_base_model().mha.out_proj, GraftLayer)
+    with torch.no_grad():
+        unmerged = model(x)
+        model.merge_adapter()
+        assert torch.equal(model(x), unmerged)  # what is grafted applies the same merged or not
+
+
+def test_a_graft_under_fsdp_is_refused_at_forward(pair):
+    """FSDP v1 marks the parameters it flattens (use_orig_params=True) or replaces them by plain tensors (False)."""
+    pre, finetuned, _ = pair
+    model = graft(pre, finetuned, sparsity=0.02)
+    layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.stored_attrs)
+    param = layer.base_layer._parameters[layer.stored_attrs[0]]
+    param._fsdp_flattened = True
+    with pytest.raises(ValueError, match="runs under FSDP"):
+        model(input_ids=input_ids())
+    del param._fsdp_flattened
+    del layer.base_layer._parameters[layer.stored_attrs[0]]
+    setattr(layer.base_layer, layer.stored_attrs[0], param.detach().clone())
+    with pytest.raises(ValueError, match="runs under FSDP"):
+        model(input_ids=input_ids())
+
+
+def test_finetuned_model_with_extra_layers_is_warned_about(pair):
+    pre, finetuned, _ = pair
+    state = dict(finetuned.state_dict())
+    state["bert.encoder.layer.7.output.dense.weight"] = torch.ones(3, 3)
+    with pytest.warns(UserWarning, match="tensors the pre-trained model lacks"):
+        graft(pre, state, sparsity=0.02)
+
+
+def test_config_without_grafted_modules_says_it_is_incomplete(pair, saved):
+    pre, _, _ = pair
+    config = json.loads((saved / "adapter_config.json").read_text())
+    config["grafted_modules"] = {}
+    del config["weights_checksum"]
+    (saved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"records none, so its adapter_config\.json is incomplete"):
+        PeftModel.from_pretrained(clone_model(pre), saved)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
-from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, learning_graft, make_pair, scores
+from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, finetune_like, learning_graft, make_pair, scores
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
@@ -422,3 +422,54 @@ def test_uniform_score_start_is_seeded_and_in_range():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="score_init_width"):
             GraftConfig(score_init_width=bad)
+
+
+# ------------------------------------------------------------------------------------------ bad runs
+def test_non_finite_loss_or_learning_rate_stops_with_the_step_named(tmp_path):
+    for rate in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="learning_rate must be a finite number > 0"):
+            fast_args(tmp_path, learning_rate=rate)
+    _, model = learning_graft(region="empty")
+    before = scores(model)
+    calls = []
+
+    def nan_on_second_step(outputs, labels, num_items_in_batch=None):
+        calls.append(1)
+        loss = nn.functional.cross_entropy(outputs.logits, labels)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    args = fast_args(tmp_path, per_device_train_batch_size=8, mask_batch_size=8, max_steps=3, learning_rate=1e9)
+    trainer = MaskTrainer(model=model, args=args, train_dataset=cls_dataset(8), compute_loss_func=nan_on_second_step)
+    with pytest.raises(ValueError, match="Mask training step 2: the loss is nan"):
+        trainer.train()
+    after = scores(model)
+    assert all(torch.isfinite(s).all() for s in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # step 1 ran; step 2 changed nothing
+
+
+def test_resuming_from_another_runs_or_a_truncated_checkpoint_is_refused(tmp_path):
+    data = cls_dataset(16)
+
+    def run(output_dir, finetuned_seed=1, num_entries=None, resume=None):
+        pre, _, task_type = make_pair("roberta_cls")
+        finetuned = finetune_like(pre, seed=finetuned_seed)
+        model = get_peft_model(
+            clone_model(pre),
+            GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type),
+        )
+        args = fast_args(
+            tmp_path, output_dir=str(output_dir), per_device_train_batch_size=8, mask_batch_size=8, max_steps=2,
+            learning_rate=1e9, save_strategy="steps", save_steps=2, num_entries=num_entries,
+        )  # fmt: skip
+        MaskTrainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint=resume)
+
+    run(tmp_path / "first")
+    checkpoint = tmp_path / "first" / "checkpoint-2"
+    with pytest.raises(ValueError, match="scores of another mask-training run"):
+        run(tmp_path / "other_ft", finetuned_seed=5, resume=str(checkpoint))
+    with pytest.raises(ValueError, match="scores of another mask-training run"):
+        run(tmp_path / "other_budget", num_entries=10, resume=str(checkpoint))
+    scores_file = checkpoint / "graft_scores.safetensors"
+    scores_file.write_bytes(scores_file.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"graft_scores\.safetensors cannot be read"):
+        run(tmp_path / "truncated", resume=str(checkpoint))

@@ -9,6 +9,7 @@ training the model holds that hard sparse graft, or the best one evaluated (``ke
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainingArguments
@@ -32,6 +34,7 @@ from .losses import LossTermsTrainer
 logger = logging.getLogger(__name__)
 
 SCORES_NAME = "graft_scores.safetensors"
+FINGERPRINT_KEY = "learning_fingerprint"  # metadata of SCORES_NAME: see MaskTrainer.learning_fingerprint
 LABEL_KEYS = ("labels", "label", "label_ids", "start_positions")
 
 
@@ -106,6 +109,11 @@ class MaskTrainingArguments(TrainingArguments):
             or self.mask_batch_size < 1
         ):
             raise ValueError(f"mask_batch_size must be a positive int or None, got {self.mask_batch_size!r}.")
+        if isinstance(self.learning_rate, bool) or not (0.0 < self.learning_rate < math.inf):
+            raise ValueError(
+                f"learning_rate must be a finite number > 0, got {self.learning_rate}: the paper's mask training uses "
+                "1e7."
+            )
         if not (self.l1_penalty >= 0.0) or math.isinf(self.l1_penalty):
             raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
 
@@ -167,6 +175,7 @@ class MaskTrainer(LossTermsTrainer):
         self.mask_report: dict[str, int] = {}
         self._tracking_best = False  # while train() keeps the best evaluated mask (keep_best_mask)
         self._best: tuple[float, int, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._fingerprint: str | None = None
 
     # ------------------------------------------------------------------------------------------ mask state
     def region_learners(self) -> dict[str, RegionLearner]:
@@ -208,8 +217,30 @@ class MaskTrainer(LossTermsTrainer):
             module: learner.scores.detach().cpu().contiguous() for module, learner in self.region_learners().items()
         }
 
+    def learning_fingerprint(self) -> str:
+        """A digest of what the scores belong to: each module's search space, gamma_base and movement, and the budget.
+        Saved with the scores and checked when resuming, so that another run's checkpoint is refused."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(repr(self.args.num_entries).encode())
+            for module, learner in sorted(self.region_learners().items()):
+                digest.update(module.encode())
+                parts = [learner.base_region, learner._movement(), learner.search_indices]
+                for tensor in parts:
+                    if tensor is not None:
+                        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:32]
+        return self._fingerprint
+
     def _load_scores(self, path: str) -> None:
-        state = load_file(path)
+        try:
+            with safe_open(path, framework="pt") as handle:
+                recorded = (handle.metadata() or {}).get(FINGERPRINT_KEY)
+            state = load_file(path)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(
+                f"{path} cannot be read ({error}): the mask-training checkpoint is truncated or corrupt. Resume from "
+                "another checkpoint, or start again."
+            ) from error
         learners = self.region_learners()
         if set(state) != set(learners):
             raise ValueError(f"{path} holds scores for other modules than this model's learning graft layers.")
@@ -220,6 +251,11 @@ class MaskTrainer(LossTermsTrainer):
                     f"{tuple(learner.scores.shape)}: create the graft with the same GraftConfig (search space, "
                     "region, budget) as the run that wrote the checkpoint."
                 )
+        if recorded is not None and recorded != self.learning_fingerprint():
+            raise ValueError(
+                f"{path} holds the scores of another mask-training run (another theta_ft, gamma_base, search space or "
+                "num_entries): resume only from a checkpoint of a run with the same graft and arguments."
+            )
         with torch.no_grad():
             for module, learner in learners.items():
                 learner.scores.copy_(state[module])
@@ -300,7 +336,18 @@ class MaskTrainer(LossTermsTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._in_training_step and not self.args.mask_dropout:
             model.eval()  # training_step put it in training mode; S is learned with dropout off (reference code)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        loss = result[0] if return_outputs else result
+        if self._in_training_step and not bool(torch.isfinite(loss.detach()).all()):
+            raise ValueError(
+                f"Mask training step {self.state.global_step + 1}: the loss is {loss.detach().item()}, so S would "
+                "become NaN and the region empty. Check the inputs and labels, theta_ft (no NaN/inf weights), and "
+                f"learning_rate={self.args.learning_rate} / l1_penalty={self.args.l1_penalty}; the scores are left "
+                "as they were before this step."
+            )
+        return result
 
     def _check_labels(self) -> None:
         """Fail before training when the training examples carry no labels the model could compute a loss from."""
@@ -366,7 +413,8 @@ class MaskTrainer(LossTermsTrainer):
         scores = self._scores_state()
         if scores:
             output_dir = output_dir if output_dir is not None else self.args.output_dir
-            save_file(scores, os.path.join(output_dir, SCORES_NAME))
+            metadata = {FINGERPRINT_KEY: self.learning_fingerprint()}
+            save_file(scores, os.path.join(output_dir, SCORES_NAME), metadata=metadata)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         path = os.path.join(resume_from_checkpoint, SCORES_NAME)

@@ -309,6 +309,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return overrides
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_sharded(self.base_layer, self.stored_attrs)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -465,3 +466,19 @@ def graft_entries(flat: torch.Tensor, entries: SparseEntries, first: bool) -> to
 def _rebuilder(layer: GraftLayer, adapter_name: str):
     """A function recomputing ``layer``'s soft parameters of ``adapter_name`` (for ``RecomputeSoftParameters``)."""
     return lambda: layer.soft_parameters(adapter_name, recomputing=True)
+
+
+def _refuse_sharded(base_layer: nn.Module, stored_attrs: list[str]) -> None:
+    """FSDP is not supported: FSDP v1 swaps flat-parameter views in around the forward (``use_orig_params=True`` marks
+    the original parameters ``_fsdp_flattened``; ``False`` replaces them by plain tensors), which shadows the graft's
+    substitution, so the graft would silently do nothing; FSDP2 shards them as DTensors."""
+    if not stored_attrs:
+        return
+    param = base_layer._parameters.get(stored_attrs[0])
+    if param is None or getattr(param, "_fsdp_flattened", False) or type(param).__name__ == "DTensor":
+        raise ValueError(
+            f"A graft layer ({type(base_layer).__name__}) runs under FSDP, which peft_graft does not support: FSDP "
+            "replaces the parameters the graft substitutes, so the graft would silently do nothing. Use DDP "
+            "(torchrun or accelerate launch without fsdp), or merge the graft first (merge_and_unload()) and shard "
+            "the plain model."
+        )

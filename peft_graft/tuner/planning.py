@@ -7,6 +7,7 @@ or the saved per-module entry counts for a loaded one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +61,13 @@ def plan_loaded_graft(config: GraftConfig, layout: Layout) -> Plan:
 def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Plan:
     """A new graft: theta_ft -> movement -> region (``config.region`` strategy) -> per-module entries."""
     if config._finetuned is None:
-        raise ValueError("GraftConfig needs finetuned=<model, path, Hub id or state dict> to create a graft.")
+        raise ValueError(
+            "GraftConfig needs finetuned=<model, path, Hub id or state dict> to create a graft. A config read from a "
+            "saved graft must record its grafted_modules (entries per module); this one records none, so its "
+            "adapter_config.json is incomplete or not a graft's: save the graft again."
+        )
     state = load_finetuned(config._finetuned, model)
+    _warn_unknown_tensors(state, model, layout)
     eligible = eligible_tensors(layout, config.include_parameters, config.exclude_parameters, config.modules_to_save)
     movement, unreachable = exact_movement(state, layout, eligible, config.only_moved)
     if not movement:
@@ -145,3 +151,27 @@ def _module_unreachable(
         order = indices.argsort()
         out[module] = (indices[order], targets[order])
     return out
+
+
+def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:
+    """Warn when theta_ft holds floating-point tensors the pre-trained model lacks (e.g. extra layers): those are
+    ignored, and the two models are probably not a pre-trained model and its own fine-tune."""
+    known = {alias for info in layout.tensors.values() for alias in info.aliases}
+    known |= set(model.state_dict())
+    known |= {_peft_free(name) for name in known}
+    unknown = sorted(
+        name
+        for name, tensor in state.items()
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and _peft_free(name) not in known
+    )
+    if unknown:
+        warnings.warn(
+            f"The fine-tuned model holds {len(unknown)} tensors the pre-trained model lacks (e.g. {unknown[:3]}); they "
+            "are ignored. Is theta_ft fine-tuned from this very pre-trained model, with the same architecture?",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _peft_free(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != "base_layer")
