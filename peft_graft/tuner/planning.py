@@ -174,4 +174,13 @@ def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:
 
 
 def _peft_free(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != "base_layer")
+    """``name`` without peft's wrapping levels (``base_layer``, ``original_module``, ``modules_to_save.<adapter>``)."""
+    parts, out, skip = name.split("."), [], False
+    for part in parts:
+        if skip:
+            skip = False
+        elif part == "modules_to_save":
+            skip = True
+        elif part not in ("base_layer", "original_module"):
+            out.append(part)
+    return ".".join(out)
