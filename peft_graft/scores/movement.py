@@ -152,15 +152,16 @@ def exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> tuple[torch.Tenso
     """
     target = finetuned.to(pre.dtype)
     base = pre.float()
-    delta = finetuned.float() - base
-    wrong = (base + delta).to(pre.dtype) != target
+    rounded = delta = finetuned.float() - base
+    applied = (base + delta).to(pre.dtype)
+    wrong = applied != target
     for _ in range(4):
         if not wrong.any():
             break
-        applied = (base + delta).to(pre.dtype)
         direction = torch.where(applied < target, torch.inf, -torch.inf)
         delta = torch.where(wrong, torch.nextafter(delta, direction), delta)
-        wrong = (base + delta).to(pre.dtype) != target
+        applied = (base + delta).to(pre.dtype)
+        wrong = applied != target
     if wrong.any():  # keep the plain rounded delta there: the closest an additive graft gets
-        delta = torch.where(wrong, finetuned.float() - base, delta)
+        delta = torch.where(wrong, rounded, delta)
     return delta, wrong

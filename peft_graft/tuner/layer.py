@@ -162,11 +162,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return self.graft_indices[adapter_name], self.graft_values[adapter_name]
         return NO_ENTRIES
 
-    def exact_entries(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(positions among entries(adapter_name), theta_ft as fp32)`` of the entries stored exactly."""
+    def exact_entries(
+        self, adapter_name: str, indices: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions among entries(adapter_name), theta_ft as fp32)`` of the entries stored exactly; ``indices``:
+        those entries' flat indices when already at hand (spares a learning layer rounding its region again)."""
         learner = self.learner(adapter_name)
         if learner is not None:
-            return learner.exact_at(self.entries(adapter_name)[0])
+            return learner.exact_at(self.entries(adapter_name)[0] if indices is None else indices)
         if adapter_name in self.graft_exact_positions:
             return self.graft_exact_positions[adapter_name], self.graft_exact_values[adapter_name]
         return NO_ENTRIES

@@ -311,7 +311,7 @@ class GraftModel(BaseTuner):
                 index_dtype = module.space.index_dtype()
                 out[f"{name}.graft_indices.{adapter_name}"] = indices.to(index_dtype)
                 out[f"{name}.graft_values.{adapter_name}"] = values
-                positions, targets = module.exact_entries(adapter_name)
+                positions, targets = module.exact_entries(adapter_name, indices)
                 if positions.numel():
                     out[f"{name}.graft_exact_positions.{adapter_name}"] = positions.to(index_dtype)
                     out[f"{name}.graft_exact_values.{adapter_name}"] = targets
@@ -408,7 +408,7 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
             if indices.numel():
                 key = name.removeprefix(PEFT_PREFIX)
                 counts[key] = int(indices.numel())
-                num_exact = int(module.exact_entries(adapter_name)[0].numel())
+                num_exact = int(module.exact_entries(adapter_name, indices)[0].numel())
                 if num_exact:
                     exact[key] = num_exact
                 hard = adapter_name in module.graft_values and not module.is_learning(adapter_name)

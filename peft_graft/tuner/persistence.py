@@ -80,9 +80,9 @@ def _wrap_load(original):
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
             recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
-        _refuse_pickled_graft(model_id, kwargs.get("subfolder"))
-        if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
-            verify_weights_checksum(os.path.join(os.fspath(model_id), kwargs.get("subfolder") or ""))
+            folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "")
+            _refuse_pickled_graft(folder)
+            verify_weights_checksum(folder)
         is_new = adapter_name not in self.peft_config
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
@@ -102,11 +102,8 @@ def _wrap_load(original):
     return load_adapter
 
 
-def _refuse_pickled_graft(model_id, subfolder: str | None) -> None:
+def _refuse_pickled_graft(folder: str) -> None:
     """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
-    if not isinstance(model_id, (str, os.PathLike)) or not os.path.isdir(model_id):
-        return
-    folder = os.path.join(os.fspath(model_id), subfolder or "")
     try:
         with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
             peft_type = str(json.load(handle).get("peft_type", ""))

@@ -75,16 +75,8 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
     request = RegionRequest(movement, config.budget, layout, config.seed, config._given_region)
     region = choose_region(config.region, request)
     plan = Plan(layout)
-    pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for name, indices in region.items():
-        info = layout.tensors[name]
-        start = layout.index_space(info.module).start(info.attr)
-        pieces.setdefault(info.module, []).append((indices + start, movement[name].reshape(-1)[indices]))
-    for module, parts in pieces.items():
-        indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        order = indices.argsort()
-        plan.regions[module] = (indices[order], values[order])
-    plan.unreachable = _module_unreachable(layout, unreachable)
+    plan.regions = _by_module(layout, {n: (idx, movement[n].reshape(-1)[idx]) for n, idx in region.items()})
+    plan.unreachable = _by_module(layout, unreachable)
     if config.learn_region and config.searches_subset:
         _plan_search_space(plan, config, movement, region)
     elif config.learn_region:
@@ -136,20 +128,20 @@ def _plan_search_space(plan: Plan, config: GraftConfig, movement: dict[str, torc
         plan.regions.setdefault(module, NO_ENTRIES)
 
 
-def _module_unreachable(
-    layout: Layout, unreachable: dict[str, tuple[torch.Tensor, torch.Tensor]]
+def _by_module(
+    layout: Layout, per_tensor: dict[str, tuple[torch.Tensor, torch.Tensor]]
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-tensor unreachable entries (``exact_movement``) as sorted flat indices of each module's index space."""
+    """Tensor name -> (local flat indices, values) as storage module -> (sorted flat indices of its space, values)."""
     pieces: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for name, (local, targets) in unreachable.items():
+    for name, (local, values) in per_tensor.items():
         info = layout.tensors[name]
         start = layout.index_space(info.module).start(info.attr)
-        pieces.setdefault(info.module, []).append((local + start, targets))
+        pieces.setdefault(info.module, []).append((local + start, values))
     out = {}
     for module, parts in pieces.items():
-        indices, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        indices, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         order = indices.argsort()
-        out[module] = (indices[order], targets[order])
+        out[module] = (indices[order], values[order])
     return out
 
 
