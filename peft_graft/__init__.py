@@ -10,7 +10,7 @@ model) -> ``training`` (``MaskTrainer``, fine-tuning with penalties) -> ``analys
 
 from peft.utils import PeftType
 
-from ._peft_compat import register_peft_method, wrap_peft_model_method
+from ._peft_compat import register_peft_method, wrap_method
 from .analysis import GraftStats
 from .regions import (
     REGION_STRATEGIES,
@@ -30,15 +30,15 @@ from .training import (
     MovementL1Trainer,
 )
 from .tuner import GRAFT_NAME, GRAFT_PREFIX, GraftConfig, GraftLayer, GraftModel, RegionLearner
-from .tuner.persistence import PEFT_MODEL_WRAPPERS
+from .tuner.persistence import method_wrappers
 
 __version__ = "0.1.0"
 
 
 def register() -> PeftType:
     """Register the ``graft`` method with peft (done on import; idempotent, also after ``importlib.reload``)."""
-    for method, make_wrapper in PEFT_MODEL_WRAPPERS.items():
-        wrap_peft_model_method(method, make_wrapper)
+    for owner, method, make_wrapper in method_wrappers():
+        wrap_method(owner, method, make_wrapper)
     return register_peft_method(GRAFT_NAME, GraftConfig, GraftModel, GRAFT_PREFIX)
 
 

@@ -1,17 +1,18 @@
-"""The places where peft_graft touches peft internals: its ``PeftType`` enum and ``PeftModel`` methods.
+"""The places where peft_graft touches peft and transformers internals: peft's ``PeftType`` enum, and methods.
 
 peft's ``register_peft_method`` only accepts a name that is already a member of its ``PeftType`` enum, and a package
 outside peft cannot add one through any public API: :func:`extend_peft_type` inserts the member into the enum's
-internal maps. peft also offers no hook around saving, loading or uploading an adapter: :func:`wrap_peft_model_method`
-replaces a ``PeftModel`` method by a wrapper of it, once. Nothing here knows about grafts: the package passes its
-classes and wrappers in. ``tests/test_registration.py`` fails loudly if these internals change.
+internal maps. Neither library offers a hook around saving, loading or uploading an adapter, or around reading the
+``peft_type`` of a saved config: :func:`wrap_method` replaces a method (``PeftModel.load_adapter``, transformers'
+``load_adapter``, the class method ``PeftConfig._get_peft_type``) by a wrapper of it, once. Nothing here knows about
+grafts: the package passes its classes and wrappers in. ``tests/test_registration.py`` fails loudly if these internals
+change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from peft import PeftModel
 from peft.utils import PeftType
 from peft.utils import register_peft_method as _peft_register_peft_method
 
@@ -52,11 +53,15 @@ def register_peft_method(name: str, config_cls: type, model_cls: type, prefix: s
     return peft_type
 
 
-def wrap_peft_model_method(name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """Replace ``PeftModel.<name>`` by ``make_wrapper(original)`` unless a wrapper is already installed."""
-    original = getattr(PeftModel, name)
+def wrap_method(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.<name>`` (a method or class method, where ``owner`` or a base class defines it) by
+    ``make_wrapper(original function)`` unless a wrapper is already installed."""
+    defining = next(cls for cls in owner.__mro__ if name in vars(cls))
+    attribute = vars(defining)[name]
+    is_classmethod = isinstance(attribute, classmethod)
+    original = attribute.__func__ if is_classmethod else attribute
     if getattr(original, _WRAPPED, False):
         return
     wrapper = make_wrapper(original)
     setattr(wrapper, _WRAPPED, True)
-    setattr(PeftModel, name, wrapper)
+    setattr(defining, name, classmethod(wrapper) if is_classmethod else wrapper)

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
+from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors.torch import load_file, save_file
 from testing_utils import clone_model, input_ids, make_bert_cls, make_pair
 
@@ -24,6 +25,14 @@ def pair():
 
 def graft(pre, finetuned, **kwargs):
     return get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, task_type="SEQ_CLS", **kwargs))
+
+
+# The two ways to load a saved graft onto a model: peft's, and transformers' adapter API (which copies the file into
+# the layers itself, bypassing peft's load checks).
+LOADERS = {
+    "peft": lambda pre, path: PeftModel.from_pretrained(clone_model(pre), path),
+    "transformers": lambda pre, path: clone_model(pre).load_adapter(path),
+}
 
 
 @pytest.mark.parametrize(
@@ -151,10 +160,11 @@ def set_last_index(tensors, value):
         ),
     ],
 )
-def test_corrupt_entries_are_refused(pair, saved, tmp_path, edit, match):
+@pytest.mark.parametrize("loader", LOADERS)
+def test_corrupt_entries_are_refused(pair, saved, tmp_path, edit, match, loader):
     pre, _, _ = pair
     with pytest.raises(ValueError, match=match):
-        PeftModel.from_pretrained(clone_model(pre), corrupt_copy(saved, tmp_path, edit))
+        LOADERS[loader](pre, corrupt_copy(saved, tmp_path, edit))
 
 
 @pytest.mark.parametrize(
@@ -166,10 +176,11 @@ def test_corrupt_entries_are_refused(pair, saved, tmp_path, edit, match):
     ],
     ids=["fp16", "int64", "fp64"],
 )
-def test_graft_values_of_another_dtype_are_refused_not_cast(pair, saved, tmp_path, edit):
+@pytest.mark.parametrize("loader", LOADERS)
+def test_graft_values_of_another_dtype_are_refused_not_cast(pair, saved, tmp_path, edit, loader):
     pre, _, _ = pair
     with pytest.raises(ValueError, match=r"value dtype .*graft values are float32"):
-        PeftModel.from_pretrained(clone_model(pre), corrupt_copy(saved, tmp_path, edit))
+        LOADERS[loader](pre, corrupt_copy(saved, tmp_path, edit))
 
 
 def test_every_flipped_bit_of_the_weights_file_is_refused(pair, saved, tmp_path):
@@ -188,6 +199,8 @@ def test_every_flipped_bit_of_the_weights_file_is_refused(pair, saved, tmp_path)
             PeftModel.from_pretrained(clone_model(pre), target)
     with pytest.raises(ValueError, match="does not match the checksum"):
         Region.from_pretrained(target, clone_model(pre))
+    with pytest.raises(ValueError, match="does not match the checksum"):
+        clone_model(pre).load_adapter(target)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -418,3 +431,126 @@ def test_config_without_grafted_modules_says_it_is_incomplete(pair, saved):
     (saved / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"records none, so its adapter_config\.json is incomplete"):
         PeftModel.from_pretrained(clone_model(pre), saved)
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids()).logits
+
+
+def test_a_failed_transformers_load_adapter_leaves_the_model_as_it_was(pair, saved, tmp_path):
+    pre, _, _ = pair
+    bad = corrupt_copy(saved, tmp_path, lambda t: set_last_index(t, 10**8))
+    model = clone_model(pre)
+    with pytest.raises(ValueError, match="the file is corrupt"):
+        model.load_adapter(bad)  # the first adapter: the graft layers and the head wrapper are removed again
+    assert not model._hf_peft_config_loaded
+    assert not any(isinstance(m, (GraftLayer, AuxiliaryTrainingWrapper)) for m in model.modules())
+    assert torch.equal(_logits(model), _logits(pre))
+
+    model.load_adapter(saved, adapter_name="first")
+    before = _logits(model)
+    assert torch.equal(before, _logits(PeftModel.from_pretrained(clone_model(pre), saved)))
+    with pytest.raises(ValueError, match="the file is corrupt"):
+        model.load_adapter(bad, adapter_name="second")
+    assert list(model.peft_config) == ["first"] and model.active_adapters() == ["first"]
+    assert not any("second" in n for n, _ in model.named_parameters())
+    assert torch.equal(_logits(model), before)
+
+
+def test_a_second_transformers_adapter_is_active_with_its_head(pair, saved):
+    """transformers activates the adapter it loads last; its modules_to_save head must be active with it."""
+    pre, _, _ = pair
+    expected = _logits(PeftModel.from_pretrained(clone_model(pre), saved))
+    model = clone_model(pre)
+    model.load_adapter(saved, adapter_name="first")
+    model.load_adapter(saved, adapter_name="second")
+    assert model.active_adapters() == ["second"]
+    assert torch.equal(_logits(model), expected)
+    model.set_adapter("first")
+    assert torch.equal(_logits(model), expected)
+
+
+@pytest.mark.parametrize("name", ["../outside", "/tmp/absolute", "a/b", "a\\b", "", " ", "v1.2", "c:drive"])
+def test_adapter_names_that_are_paths_or_not_buffer_keys_are_refused(pair, saved, tmp_path, name):
+    pre, finetuned, _ = pair
+    match = "cannot name a graft"
+    with pytest.raises(ValueError, match=match):
+        get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20), adapter_name=name)
+    model = graft(pre, finetuned, num_entries=20)
+    with pytest.raises(ValueError, match=match):
+        model.add_adapter(name, GraftConfig(finetuned=finetuned, num_entries=20, task_type="SEQ_CLS"))
+    with pytest.raises(ValueError, match=match):
+        model.load_adapter(saved, adapter_name=name)
+    with pytest.raises(ValueError, match=match):
+        model.base_model.add_combined_adapter(["default"], name)
+    with pytest.raises(ValueError, match=match):
+        clone_model(pre).load_adapter(saved, adapter_name=name)
+    assert list(model.peft_config) == ["default"]
+    model.save_pretrained(tmp_path / "out", selected_adapters=list(model.peft_config))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graft", "out"]
+
+
+@pytest.mark.parametrize(
+    "combination", [lambda stacked: 1 / 0, lambda stacked: stacked, lambda stacked: [0.0]], ids=["raises", "2d", "list"]
+)
+def test_a_failed_combined_adapter_leaves_no_trace(pair, combination):
+    pre, finetuned, _ = pair
+    model = graft(pre, finetuned, num_entries=20)
+    model.add_adapter("b", GraftConfig(finetuned=finetuned, num_entries=20, region="random", task_type="SEQ_CLS"))
+    with pytest.raises((ZeroDivisionError, ValueError)):
+        model.base_model.add_combined_adapter(["default", "b"], "both", combination=combination)
+    assert list(model.peft_config) == ["default", "b"]
+    assert not any(".both" in n for n in model.state_dict())
+    model.base_model.add_combined_adapter(["default", "b"], "both")  # the name is free again
+    assert model.base_model.get_region("both").num_entries >= 20
+
+
+def _edited_config(saved, tmp_path, text: str):
+    target = tmp_path / "edited"
+    shutil.copytree(saved, target)
+    (target / "adapter_config.json").write_text(text)
+    return target
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: "{not json", r"adapter_config\.json' is not valid JSON"),
+        (lambda c: "[1, 2]", "is not a JSON object"),
+        (lambda c: json.dumps({**c, "peft_type": "NOPE"}), r"names peft_type='NOPE', which no registered peft method"),
+        (lambda c: json.dumps({**c, "grafted_modules": list(c["grafted_modules"])}), "grafted_modules must map"),
+        (lambda c: json.dumps({**c, "grafted_modules": dict.fromkeys(c["grafted_modules"], -1)}), "ints >= 0"),
+        (lambda c: json.dumps({**c, "exact_entries": dict.fromkeys(c["grafted_modules"], 10**9)}), "exact entries"),
+        (lambda c: json.dumps({**c, "base_fingerprint": dict.fromkeys(c["grafted_modules"], "x")}), "lists of numbers"),
+        (
+            lambda c: json.dumps({**c, "base_checksum": dict.fromkeys(c["grafted_modules"], 5)}),
+            "map module names to str",
+        ),
+    ],
+    ids=[
+        "bad-json",
+        "not-an-object",
+        "unknown-peft-type",
+        "modules-list",
+        "negative",
+        "exact",
+        "fingerprint",
+        "checksum",
+    ],
+)
+@pytest.mark.parametrize("loader", [*LOADERS, "config"])
+def test_malformed_adapter_config_is_a_clear_error(pair, saved, tmp_path, edit, match, loader):
+    pre, _, _ = pair
+    config = json.loads((saved / "adapter_config.json").read_text())
+    folder = _edited_config(saved, tmp_path, edit(config))
+    with pytest.raises(ValueError, match=match):
+        PeftConfig.from_pretrained(folder) if loader == "config" else LOADERS[loader](pre, folder)
+
+
+def test_config_without_peft_type_is_a_clear_error(pair, saved, tmp_path):
+    pre, _, _ = pair
+    config = json.loads((saved / "adapter_config.json").read_text())
+    del config["peft_type"]
+    with pytest.raises(ValueError, match="has no 'peft_type' field"):
+        PeftModel.from_pretrained(clone_model(pre), _edited_config(saved, tmp_path, json.dumps(config)))

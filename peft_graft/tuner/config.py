@@ -140,6 +140,7 @@ class GraftConfig(PeftConfig):
         self._validate()
 
     def _validate(self) -> None:
+        self._check_recorded_layout()
         if not self.is_created:  # a loaded graft does not need its strategy any more
             strategy = get_region_strategy(self.region)
             if strategy.uses_budget and self.num_entries is None:
@@ -172,6 +173,36 @@ class GraftConfig(PeftConfig):
             raise ValueError('region="empty" (gamma_base = 0) is only meaningful with learn_region=True.')
         if self.region == "given" and self._given_region is None and not self.is_created:
             raise ValueError('region="given" needs given_region=<masks, Region or saved graft path>.')
+
+    def _check_recorded_layout(self) -> None:
+        """The fields the library fills in must have the shapes it writes (a saved config may have been altered)."""
+
+        def refuse(name: str, problem: str) -> None:
+            raise ValueError(
+                f"{name} {problem}. This field is written by peft_graft when a graft is created: the "
+                "adapter_config.json was altered or not written by peft_graft. Save the graft again."
+            )
+
+        def mapping(name: str, valid: Any, expected: str) -> dict:
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) and valid(v) for k, v in value.items()):
+                refuse(name, f"must map module names to {expected}, got {value!r:.200}")
+            return value
+
+        def count(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        grafted = mapping("grafted_modules", count, "entry counts (ints >= 0)")
+        exact = mapping("exact_entries", count, "entry counts (ints >= 0)")
+        mapping("base_fingerprint", lambda v: isinstance(v, list) and all(map(number, v)), "lists of numbers")
+        mapping("base_checksum", lambda v: isinstance(v, str), "strings")
+        for module, num_exact in exact.items():
+            if num_exact > grafted.get(module, 0):
+                refuse("exact_entries", f"records {num_exact} exact entries for {module!r}, which has "
+                       f"{grafted.get(module, 0)} grafted entries")  # fmt: skip
 
     @property
     def is_created(self) -> bool:

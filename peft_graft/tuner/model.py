@@ -45,6 +45,11 @@ class GraftModel(BaseTuner):
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> None:
         config: GraftConfig = self.peft_config[adapter_name]
+        try:
+            check_adapter_name(adapter_name)
+        except ValueError:
+            del self.peft_config[adapter_name]
+            raise
         shared = [name for name, other in self.peft_config.items() if other is config and name != adapter_name]
         if shared:
             del self.peft_config[adapter_name]
@@ -255,16 +260,14 @@ class GraftModel(BaseTuner):
         ``"sum"``, ``"first"``, ``"last"``, or a callable mapping a ``(num_grafts_there, n)`` tensor to ``(n,)``.
         peft's ``add_weighted_adapter`` only exists for LoRA-like methods, hence this method.
         """
+        check_adapter_name(combined_name)
         if combined_name in self.peft_config:
             raise ValueError(f"An adapter named {combined_name!r} already exists.")
         if not callable(combination) and combination not in COMBINATION_RULES:
             raise ValueError(f"Unknown combination={combination!r}: use one of {COMBINATION_RULES} or a callable.")
         for name in adapter_names:
             self._check_adapter(name)
-        config = copy.copy(self.peft_config[adapter_names[0]])
-        config.inference_mode, config.learn_region = True, False
-        self.peft_config[combined_name] = config
-        regions = {}
+        regions = {}  # computed whole before the model changes, so that a failing combination leaves no trace
         for module, layer in self.graft_layers().items():
             entries = [layer.entries(name) for name in adapter_names]
             indices = torch.unique(torch.cat([e[0].to(torch.int64) for e in entries]))
@@ -279,11 +282,20 @@ class GraftModel(BaseTuner):
                 exact[row, columns[positions.to(torch.int64).cpu()]] = targets.float().cpu()
             values = _combine(stacked, combination)
             regions[module] = (indices, values, _exact_after_combining(stacked, exact, values, indices))
-        for module, (indices, values, unreachable) in regions.items():
-            layer = self.model.get_submodule(module)
-            layer.set_region(combined_name, indices, values, unreachable)
-            layer.graft_values[combined_name].requires_grad_(False)
-        _record_layout(self.model, config, combined_name)
+        config = copy.copy(self.peft_config[adapter_names[0]])
+        config.inference_mode, config.learn_region = True, False
+        self.peft_config[combined_name] = config
+        try:
+            for module, (indices, values, unreachable) in regions.items():
+                layer = self.model.get_submodule(module)
+                layer.set_region(combined_name, indices, values, unreachable)
+                layer.graft_values[combined_name].requires_grad_(False)
+            _record_layout(self.model, config, combined_name)
+        except BaseException:
+            del self.peft_config[combined_name]
+            for layer in self.graft_layers().values():
+                layer.delete_adapter(combined_name)
+            raise
         self.model.peft_config = self.peft_config
         return self.get_region(combined_name)
 
@@ -321,26 +333,60 @@ class GraftModel(BaseTuner):
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         """Check the checkpoint against the config and the model before anything is loaded."""
-        layers = {n.removeprefix(PEFT_PREFIX): m for n, m in model.named_modules() if isinstance(m, GraftLayer)}
-
-        def tensor(module: str, name: str) -> torch.Tensor | None:
-            return state_dict.get(f"{PEFT_PREFIX}{module}.{name}", state_dict.get(f"{module}.{name}"))
-
-        for module, count in config.grafted_modules.items():
-            indices, values = tensor(module, "graft_indices"), tensor(module, "graft_values")
-            if indices is None or values is None:
-                raise ValueError(f"The adapter file has no graft entries for module {module!r}: it is incomplete.")
-            validate_entries(indices, values, count, layers[module].num_stored, module)
-            num_exact = config.exact_entries.get(module, 0)
-            positions, targets = tensor(module, "graft_exact_positions"), tensor(module, "graft_exact_values")
-            if num_exact or positions is not None or targets is not None:
-                if positions is None or targets is None:
-                    raise ValueError(
-                        f"Module {module!r}: the adapter config records {num_exact} entries stored as theta_ft but the "
-                        "file lacks graft_exact_positions/graft_exact_values: config and weights do not match."
-                    )
-                validate_entries(positions, targets, num_exact, count, module, "exact entries")
+        check_graft_state_dict(model, config, state_dict)
         return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+
+
+def check_graft_tensors(
+    config: GraftConfig, layers: dict[str, GraftLayer], tensor: Callable[[str, str], torch.Tensor | None]
+) -> None:
+    """Check the tensors of one graft (``tensor(module, "graft_indices")`` etc.) against its config and its layers."""
+    for module, count in config.grafted_modules.items():
+        indices, values = tensor(module, "graft_indices"), tensor(module, "graft_values")
+        if indices is None or values is None:
+            raise ValueError(f"The adapter file has no graft entries for module {module!r}: it is incomplete.")
+        validate_entries(indices, values, count, layers[module].num_stored, module)
+        num_exact = config.exact_entries.get(module, 0)
+        positions, targets = tensor(module, "graft_exact_positions"), tensor(module, "graft_exact_values")
+        if num_exact or positions is not None or targets is not None:
+            if positions is None or targets is None:
+                raise ValueError(
+                    f"Module {module!r}: the adapter config records {num_exact} entries stored as theta_ft but the "
+                    "file lacks graft_exact_positions/graft_exact_values: config and weights do not match."
+                )
+            validate_entries(positions, targets, num_exact, count, module, "exact entries")
+
+
+def check_graft_state_dict(model: nn.Module, config: GraftConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """Check a graft's saved tensors (keys as peft saves them, with or without its prefix) against config and model."""
+    layers = {n.removeprefix(PEFT_PREFIX): m for n, m in model.named_modules() if isinstance(m, GraftLayer)}
+
+    def tensor(module: str, name: str) -> torch.Tensor | None:
+        return state_dict.get(f"{PEFT_PREFIX}{module}.{name}", state_dict.get(f"{module}.{name}"))
+
+    check_graft_tensors(config, layers, tensor)
+
+
+def check_loaded_graft(model: nn.Module, adapter_name: str) -> None:
+    """Check the tensors a graft's layers hold, when its file cannot be read again (transformers' ``load_adapter``
+    of a Hub adapter copies the file into the layers itself)."""
+    config = model.peft_config[adapter_name]
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, GraftLayer)}
+
+    def tensor(module: str, name: str) -> torch.Tensor | None:
+        tensors = getattr(layers[module], name)
+        return tensors[adapter_name] if adapter_name in tensors else None  # noqa: SIM401 (BufferDict has no get)
+
+    check_graft_tensors(config, layers, tensor)
+
+
+def check_adapter_name(name: object) -> None:
+    """Adapter names become folder names when saving and keys of module buffers: refuse what cannot be either."""
+    if not isinstance(name, str) or not name.strip() or any(c in name for c in "./\\:\0"):
+        raise ValueError(
+            f"adapter_name={name!r} cannot name a graft: it becomes a sub-folder of the save directory and a key of "
+            "the graft layers' buffers. Use a non-empty name without '.', '/', '\\', ':' (e.g. 'sentiment_v2')."
+        )
 
 
 def validate_entries(
@@ -384,7 +430,14 @@ def _exact_after_combining(
 def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
     present = ~torch.isnan(stacked)
     if callable(combination):
-        return combination(stacked)
+        combined = combination(stacked)
+        if not isinstance(combined, torch.Tensor) or combined.shape != stacked.shape[1:]:
+            shape = tuple(combined.shape) if isinstance(combined, torch.Tensor) else type(combined).__name__
+            raise ValueError(
+                f"combination must map a (num_grafts, n) tensor to an (n,) tensor; it returned {shape} for "
+                f"{tuple(stacked.shape)} (NaN marks a graft without that entry)."
+            )
+        return combined.float()
     if combination == "sum":
         return torch.nansum(stacked, 0)
     if combination == "average":

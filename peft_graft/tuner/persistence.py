@@ -1,9 +1,11 @@
 """Persistence of graft adapters: atomic saves, checked loads, the model card, ``push_to_hub``.
 
 peft writes adapter files in place and offers no hook around saving or loading, so the package wraps
-``PeftModel.save_pretrained``, ``PeftModel.load_adapter`` and ``PeftModel.push_to_hub`` with the wrappers of
-:data:`PEFT_MODEL_WRAPPERS` (installed by ``peft_graft/__init__.py``); models without a graft adapter take the original
-path.
+``PeftModel.save_pretrained``, ``PeftModel.load_adapter``, ``PeftModel.push_to_hub`` and transformers'
+``load_adapter`` (the wrappers of :func:`method_wrappers`, installed by ``peft_graft/__init__.py``); models without a
+graft adapter take the original path. ``PeftConfig.from_json_file`` and ``PeftConfig._get_peft_type`` are wrapped
+too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``ValueError`` naming the file, not a raw
+``KeyError`` or ``JSONDecodeError``.
 
 - ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
   ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves
@@ -30,14 +32,19 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 
+import safetensors.torch
 from huggingface_hub import HfApi, ModelCard
 from peft import PeftModel
+from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
 
-from .._checksum import CONFIG_NAME, record_weights_checksum, verify_weights_checksum
-from .config import GRAFT_NAME
+from .._checksum import CONFIG_NAME, WEIGHTS_NAME, record_weights_checksum, verify_weights_checksum
+from .config import GRAFT_NAME, GRAFT_PREFIX
+from .layer import GraftLayer
+from .model import check_graft_state_dict, check_loaded_graft
 
 STAGING, PREVIOUS = "saving", "previous"  # the hidden folders a save keeps beside its destination
 
@@ -75,40 +82,136 @@ def _wrap_save(original):
     return save_pretrained
 
 
+def _check_local_folder(model_id, subfolder: str | None) -> None:
+    """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, verify the
+    weights checksum."""
+    if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
+        recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
+        folder = os.path.join(os.fspath(model_id), subfolder or "")
+        _refuse_pickled_graft(folder)
+        verify_weights_checksum(folder)
+
+
+def _is_graft_config(config) -> bool:
+    return config is not None and str(config.peft_type).lower().endswith(GRAFT_NAME)
+
+
+def _corrupt_file_error(model_id, error: SafetensorError) -> ValueError:
+    return ValueError(
+        f"The graft weights in {os.fspath(model_id)!r} are truncated or corrupt ({error}): save or download the "
+        "adapter again."
+    )
+
+
 def _wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
-        if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
-            recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
-            folder = os.path.join(os.fspath(model_id), kwargs.get("subfolder") or "")
-            _refuse_pickled_graft(folder)
-            verify_weights_checksum(folder)
+        _check_local_folder(model_id, kwargs.get("subfolder"))
         is_new = adapter_name not in self.peft_config
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
         except BaseException as error:  # any failure: leave the model as it was
-            config = self.peft_config.get(adapter_name)
-            if config is None or not str(config.peft_type).lower().endswith(GRAFT_NAME):
+            if not _is_graft_config(self.peft_config.get(adapter_name)):
                 raise
             if is_new and len(self.peft_config) > 1:  # the only adapter cannot be deleted
                 self.delete_adapter(adapter_name)
             if isinstance(error, SafetensorError):
-                raise ValueError(
-                    f"The graft weights in {os.fspath(model_id)!r} are truncated or corrupt ({error}): save or "
-                    "download the adapter again."
-                ) from error
+                raise _corrupt_file_error(model_id, error) from error
             raise
 
     return load_adapter
+
+
+def _wrap_transformers_load(original):
+    """transformers' ``PreTrainedModel.load_adapter`` (also behind ``from_pretrained`` of an adapter folder) copies
+    the file into the layers itself: the same checks as peft's path, and the same rollback."""
+
+    @functools.wraps(original)
+    def load_adapter(
+        self, peft_model_id=None, adapter_name=None, peft_config=None, adapter_state_dict=None, *args, **kwargs
+    ):
+        subfolder = kwargs.get("subfolder") or (kwargs.get("adapter_kwargs") or {}).get("subfolder")
+        _check_local_folder(peft_model_id, subfolder)
+        weights = os.path.join(os.fspath(peft_model_id or ""), subfolder or "", WEIGHTS_NAME)
+        name = adapter_name if adapter_name is not None else "default"
+        loaded = getattr(self, "_hf_peft_config_loaded", False)
+        existing, active = (set(self.peft_config), self.active_adapters()) if loaded else (set(), [])
+
+        def check_stored_tensors() -> None:
+            """transformers casts what it copies: check the tensors as stored (dtypes included) where at hand."""
+            state_dict = adapter_state_dict
+            if state_dict is None and peft_model_id is not None and os.path.isfile(weights):
+                state_dict = safetensors.torch.load_file(weights)
+            if state_dict is None:
+                check_loaded_graft(self, name)
+            else:
+                check_graft_state_dict(self, self.peft_config[name], state_dict)
+
+        try:
+            info = original(self, peft_model_id, adapter_name, peft_config, adapter_state_dict, *args, **kwargs)
+            if _is_graft_config(self.peft_config.get(name)):
+                missing = sorted(
+                    k for k in getattr(info, "missing_keys", ()) if f".{GRAFT_PREFIX}" in k and k.endswith(f".{name}")
+                )
+                if missing:
+                    raise ValueError(
+                        f"The graft weights of {os.fspath(peft_model_id or 'adapter_state_dict')!r} lack "
+                        f"{len(missing)} tensors its config records (e.g. {missing[0]!r}): it is incomplete. Save or "
+                        "download the adapter again."
+                    )
+                check_stored_tensors()
+                # transformers leaves a modules_to_save head of the new adapter inactive while its layers are active.
+                self.set_adapter(self.active_adapters())
+            return info
+        except BaseException as error:
+            config = self.peft_config.get(name) if getattr(self, "_hf_peft_config_loaded", False) else None
+            if name in existing or not _is_graft_config(config):
+                raise
+            explanation = None
+            if isinstance(error, RuntimeError):  # transformers' own refusal (sizes): say what is wrong with the file
+                try:
+                    check_stored_tensors()
+                except (ValueError, SafetensorError) as found:
+                    explanation = found
+            _remove_loaded_graft(self, name, active)
+            if isinstance(explanation or error, SafetensorError):
+                raise _corrupt_file_error(peft_model_id, explanation or error) from error
+            if explanation is not None:
+                raise explanation from error
+            raise
+
+    return load_adapter
+
+
+def _remove_loaded_graft(model, adapter_name: str, previously_active: list[str]) -> None:
+    """Undo a failed transformers ``load_adapter``. Done here because transformers' ``delete_adapter`` fails on a
+    ``modules_to_save`` head then, and leaves graft layers without any adapter behind when it deletes the last one."""
+    model.peft_config.pop(adapter_name, None)
+    last = not model.peft_config
+    if not last:
+        model.set_adapter(previously_active)
+    for name, module in list(model.named_modules()):
+        if last and isinstance(module, (GraftLayer, AuxiliaryTrainingWrapper)):
+            original = module.get_base_layer() if isinstance(module, GraftLayer) else module.original_module
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, original)
+        elif isinstance(module, GraftLayer):
+            module.delete_adapter(adapter_name)
+        elif isinstance(module, AuxiliaryTrainingWrapper) and adapter_name in module.modules_to_save:
+            module.delete_adapter(adapter_name, new_active_adapters=previously_active)
+    if last:
+        del model.peft_config
+        model._hf_peft_config_loaded = False
 
 
 def _refuse_pickled_graft(folder: str) -> None:
     """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
     try:
         with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-            peft_type = str(json.load(handle).get("peft_type", ""))
+            config = json.load(handle)
     except (OSError, ValueError):
         return  # not a readable adapter folder: peft reports it
+    peft_type = str(config.get("peft_type", "")) if isinstance(config, dict) else ""
     safetensors = os.path.isfile(os.path.join(folder, "adapter_model.safetensors"))
     if (
         peft_type.lower() == GRAFT_NAME
@@ -119,6 +222,52 @@ def _refuse_pickled_graft(folder: str) -> None:
             f"{folder!r} holds graft weights as adapter_model.bin (a pickle) and no adapter_model.safetensors: graft "
             "weights are only loaded from safetensors. Re-save the graft with save_pretrained."
         )
+
+
+def _wrap_config_reader(original):
+    """``PeftConfig.from_json_file``, which every loader reads a saved config with: errors that name the file."""
+
+    @functools.wraps(original)
+    def from_json_file(cls, path_json_file, **kwargs):
+        try:
+            loaded = original(cls, path_json_file, **kwargs)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(
+                f"{os.fspath(path_json_file)!r} is not valid JSON ({error}): save or download the adapter again."
+            ) from error
+        except TypeError as error:  # valid JSON, but not an object
+            raise ValueError(
+                f"{os.fspath(path_json_file)!r} is not a JSON object: not a peft adapter config."
+            ) from error
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{os.fspath(path_json_file)!r} is not a JSON object: not a peft adapter config.")
+        peft_type = loaded.get("peft_type")
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+        if peft_type is not None and (not isinstance(peft_type, str) or peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING):
+            raise ValueError(
+                f"{os.fspath(path_json_file)!r} names peft_type={peft_type!r}, which no registered peft method knows. "
+                "A graft needs `import peft_graft` before loading; another method needs the peft version or package "
+                "that defines it."
+            )
+        return loaded
+
+    return from_json_file
+
+
+def _wrap_peft_type_reader(original):
+    """``PeftConfig._get_peft_type``: a config without ``peft_type`` is a ``ValueError`` naming the folder."""
+
+    @functools.wraps(original)
+    def _get_peft_type(cls, model_id, **hf_hub_download_kwargs):
+        try:
+            return original(cls, model_id, **hf_hub_download_kwargs)
+        except KeyError as error:
+            raise ValueError(
+                f"The {CONFIG_NAME} of {os.fspath(model_id)!r} has no 'peft_type' field: not a peft adapter."
+            ) from error
+
+    return _get_peft_type
 
 
 def _wrap_push(original):
@@ -298,5 +447,16 @@ def write_graft_card_section(model: PeftModel, folder: str) -> None:
     card.save(path)
 
 
-PEFT_MODEL_WRAPPERS = {"save_pretrained": _wrap_save, "load_adapter": _wrap_load, "push_to_hub": _wrap_push}
-"""``PeftModel`` method name -> function making its graft-aware wrapper from the original."""
+def method_wrappers() -> list[tuple[type, str, Callable]]:
+    """``(class, method name, wrapper factory)`` of every library method the package wraps (see module docstring)."""
+    from peft import PeftConfig
+    from transformers import PreTrainedModel
+
+    return [
+        (PeftModel, "save_pretrained", _wrap_save),
+        (PeftModel, "load_adapter", _wrap_load),
+        (PeftModel, "push_to_hub", _wrap_push),
+        (PeftConfig, "from_json_file", _wrap_config_reader),
+        (PeftConfig, "_get_peft_type", _wrap_peft_type_reader),
+        (PreTrainedModel, "load_adapter", _wrap_transformers_load),
+    ]
