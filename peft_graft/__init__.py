@@ -30,7 +30,7 @@ from .training import (
     MovementL1Trainer,
 )
 from .tuner import GRAFT_NAME, GRAFT_PREFIX, GraftConfig, GraftLayer, GraftModel, RegionLearner
-from .tuner.persistence import method_wrappers
+from .tuner.wrappers import method_wrappers
 
 __version__ = "0.1.0"
 

@@ -58,6 +58,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.fingerprints: dict[str, list[float]] = {}  # theta_pre at the first two grafted entries, per adapter
         self.checksums: dict[str, str] = {}  # of theta_pre at every grafted entry, per adapter
         self.verify_base: dict[str, bool] = {}
+        self.awaiting_entries: set[str] = set()  # adapters created empty by update_layer, not yet checked once filled
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
         self._disable_adapters = False
         self.merged_adapters = []
@@ -87,7 +88,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         filled by loading or :meth:`set_region`."""
         device = self._device()
         index_dtype = self.space.index_dtype()
-        self.graft_indices[adapter_name] = torch.zeros(num_entries, dtype=index_dtype, device=device)
+        # -1: no entry yet. Loading overwrites every index; one left negative means the weights were never loaded.
+        self.graft_indices[adapter_name] = torch.full((num_entries,), -1, dtype=index_dtype, device=device)
         self.graft_values[adapter_name] = nn.Parameter(torch.zeros(num_entries, device=device))
         if num_exact:
             self.graft_exact_positions[adapter_name] = torch.zeros(num_exact, dtype=index_dtype, device=device)
@@ -96,6 +98,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         if checksum:
             self.checksums[adapter_name] = checksum
         self.verify_base[adapter_name] = verify_base
+        self.awaiting_entries.add(adapter_name)
 
     def set_region(
         self,
@@ -125,6 +128,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.fingerprints[adapter_name] = self.base_values(indices[:2]).tolist()
         self.checksums[adapter_name] = self.base_checksum(indices)
         self.verify_base.setdefault(adapter_name, True)
+        self.awaiting_entries.discard(adapter_name)
 
     def start_learning(self, adapter_name: str, learner: RegionLearner) -> None:
         """Attach the state to learn this adapter's region here, on the base layer's device."""
@@ -227,8 +231,24 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             self.graft_learning[adapter_name].to(device)
 
     # ----------------------------------------------------------------------------------------------- checks
+    def check_filled(self, adapter_name: str) -> None:
+        """Refuse an adapter created empty (from a config of an existing graft) whose entries were never loaded."""
+        if adapter_name not in self.awaiting_entries:
+            return
+        indices = self.graft_indices[adapter_name]
+        if indices.numel() and int(indices.min()) < 0:
+            raise ValueError(
+                f"Graft {adapter_name!r} has no entries: its GraftConfig describes a graft that already exists "
+                "(grafted_modules is filled in), so nothing was built from finetuned, and no weights were loaded "
+                "into it. A GraftConfig builds one graft: pass a new GraftConfig(finetuned=...) to get_peft_model, "
+                "or load the saved graft with PeftModel.from_pretrained(model, path)."
+            )
+        self.awaiting_entries.discard(adapter_name)
+
     def check_base(self, adapter_name: str) -> None:
-        """Refuse to apply a graft made for other pre-trained values (see ``GraftConfig.verify_base``)."""
+        """Refuse to apply a graft whose entries were never loaded, or one made for other pre-trained values (see
+        ``GraftConfig.verify_base``)."""
+        self.check_filled(adapter_name)
         expected = self.fingerprints.get(adapter_name)
         if not expected or not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
             return
@@ -428,6 +448,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.fingerprints.pop(adapter_name, None)
         self.checksums.pop(adapter_name, None)
         self.verify_base.pop(adapter_name, None)
+        self.awaiting_entries.discard(adapter_name)
 
     def __repr__(self) -> str:
         return "graft." + super().__repr__()

@@ -315,6 +315,9 @@ class GraftModel(BaseTuner):
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
         """Only the hard region is saved; a region still being learned is rounded first (paper section 3)."""
+        for module in model.modules():
+            if isinstance(module, GraftLayer):
+                module.check_filled(adapter_name)
         out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         out = {k: v for k, v in out.items() if f".{GRAFT_PREFIX}learning." not in k}
         for name, module in model.named_modules():

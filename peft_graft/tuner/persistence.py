@@ -2,8 +2,8 @@
 
 peft writes adapter files in place and offers no hook around saving or loading, so the package wraps
 ``PeftModel.save_pretrained``, ``PeftModel.load_adapter``, ``PeftModel.push_to_hub`` and transformers'
-``load_adapter`` (the wrappers of :func:`method_wrappers`, installed by ``peft_graft/__init__.py``); models without a
-graft adapter take the original path. ``PeftConfig.from_json_file`` and ``PeftConfig._get_peft_type`` are wrapped
+``load_adapter`` (see :mod:`.wrappers`, installed by ``peft_graft/__init__.py``); models without a graft adapter take
+the original path. ``PeftConfig.from_json_file`` and ``PeftConfig._get_peft_type`` are wrapped
 too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``ValueError`` naming the file, not a raw
 ``KeyError`` or ``JSONDecodeError``.
 
@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import safetensors.torch
@@ -92,7 +91,7 @@ def _check_local_folder(model_id, subfolder: str | None) -> None:
         verify_weights_checksum(folder)
 
 
-def _is_graft_config(config) -> bool:
+def is_graft_config(config) -> bool:
     return config is not None and str(config.peft_type).lower().endswith(GRAFT_NAME)
 
 
@@ -111,7 +110,7 @@ def _wrap_load(original):
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
         except BaseException as error:  # any failure: leave the model as it was
-            if not _is_graft_config(self.peft_config.get(adapter_name)):
+            if not is_graft_config(self.peft_config.get(adapter_name)):
                 raise
             if is_new and len(self.peft_config) > 1:  # the only adapter cannot be deleted
                 self.delete_adapter(adapter_name)
@@ -149,7 +148,7 @@ def _wrap_transformers_load(original):
 
         try:
             info = original(self, peft_model_id, adapter_name, peft_config, adapter_state_dict, *args, **kwargs)
-            if _is_graft_config(self.peft_config.get(name)):
+            if is_graft_config(self.peft_config.get(name)):
                 missing = sorted(
                     k for k in getattr(info, "missing_keys", ()) if f".{GRAFT_PREFIX}" in k and k.endswith(f".{name}")
                 )
@@ -165,7 +164,7 @@ def _wrap_transformers_load(original):
             return info
         except BaseException as error:
             config = self.peft_config.get(name) if getattr(self, "_hf_peft_config_loaded", False) else None
-            if name in existing or not _is_graft_config(config):
+            if name in existing or not is_graft_config(config):
                 raise
             explanation = None
             if isinstance(error, RuntimeError):  # transformers' own refusal (sizes): say what is wrong with the file
@@ -445,18 +444,3 @@ def write_graft_card_section(model: PeftModel, folder: str) -> None:
     text = card.text.split(CARD_SECTION)[0].rstrip()
     card.text = f"{text}\n\n{section}\n"
     card.save(path)
-
-
-def method_wrappers() -> list[tuple[type, str, Callable]]:
-    """``(class, method name, wrapper factory)`` of every library method the package wraps (see module docstring)."""
-    from peft import PeftConfig
-    from transformers import PreTrainedModel
-
-    return [
-        (PeftModel, "save_pretrained", _wrap_save),
-        (PeftModel, "load_adapter", _wrap_load),
-        (PeftModel, "push_to_hub", _wrap_push),
-        (PeftConfig, "from_json_file", _wrap_config_reader),
-        (PeftConfig, "_get_peft_type", _wrap_peft_type_reader),
-        (PreTrainedModel, "load_adapter", _wrap_transformers_load),
-    ]

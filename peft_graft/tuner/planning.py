@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, Layout
@@ -87,7 +88,28 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
         saved_whole = any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases)
         if info.parameter.is_floating_point() and name not in movement and saved_whole:
             plan.saved_whole[name] = finetuned_tensor(state, layout, name)
+    for name, parameter in _wrapped_whole_tensors(model).items():  # heads peft wrapped for an earlier adapter
+        if parameter.is_floating_point() and is_saved_whole(name, config.modules_to_save):
+            tensor = state.get(name)
+            if tensor is None or tuple(tensor.shape) != tuple(parameter.shape):
+                raise ValueError(
+                    f"The fine-tuned model has no tensor {name!r} of shape {tuple(parameter.shape)} to store whole "
+                    "(modules_to_save): is it fine-tuned from this pre-trained model?"
+                )
+            plan.saved_whole[name] = tensor
     return plan
+
+
+def _wrapped_whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of modules peft already wraps as modules_to_save (for an earlier adapter), which the layout skips,
+    by their names in the plain model."""
+    out = {}
+    for name, module in model.named_modules():
+        original = getattr(module, "original_module", None)
+        if isinstance(module, AuxiliaryTrainingWrapper) and original is not None:
+            for attr, parameter in original.named_parameters():
+                out[f"{_peft_free(name)}.{attr}"] = parameter
+    return out
 
 
 def _plan_dense_learning(plan: Plan, movement: dict[str, torch.Tensor]) -> None:
