@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import peft
 import pytest
@@ -21,6 +22,18 @@ def test_peft_enum_internals_we_rely_on_are_still_there():
     assert isinstance(PeftType._value2member_map_, dict)
     assert isinstance(PeftType._member_names_, list)
     assert issubclass(PeftType, str)
+
+
+def test_every_wrapped_library_method_is_wrapped_once():
+    # If this fails, peft or transformers renamed or moved a method peft_graft wraps: update tuner/wrappers.py.
+    from peft_graft.tuner.wrappers import method_wrappers
+
+    importlib.reload(peft_graft)
+    for owner, name, _ in method_wrappers():
+        method = inspect.getattr_static(owner, name)
+        function = method.__func__ if isinstance(method, classmethod) else method
+        assert getattr(function, "_peft_graft_wrapper", False), f"{owner.__name__}.{name}"
+        assert not getattr(function.__wrapped__, "_peft_graft_wrapper", False), f"{owner.__name__}.{name} twice"
 
 
 def test_graft_is_a_full_peft_type():

@@ -55,7 +55,7 @@ def _is_graft(model: PeftModel) -> bool:
     return any(str(c.peft_type).lower().endswith(GRAFT_NAME) for c in model.peft_config.values())
 
 
-def _wrap_save(original):
+def wrap_save(original):
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
         if not _is_graft(self) or not kwargs.get("is_main_process", True):
@@ -92,6 +92,7 @@ def _check_local_folder(model_id, subfolder: str | None) -> None:
 
 
 def is_graft_config(config) -> bool:
+    """Whether ``config`` (a peft config or None) is a graft's."""
     return config is not None and str(config.peft_type).lower().endswith(GRAFT_NAME)
 
 
@@ -102,7 +103,7 @@ def _corrupt_file_error(model_id, error: SafetensorError) -> ValueError:
     )
 
 
-def _wrap_load(original):
+def wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         _check_local_folder(model_id, kwargs.get("subfolder"))
@@ -121,7 +122,7 @@ def _wrap_load(original):
     return load_adapter
 
 
-def _wrap_transformers_load(original):
+def wrap_transformers_load(original):
     """transformers' ``PreTrainedModel.load_adapter`` (also behind ``from_pretrained`` of an adapter folder) copies
     the file into the layers itself: the same checks as peft's path, and the same rollback."""
 
@@ -223,7 +224,7 @@ def _refuse_pickled_graft(folder: str) -> None:
         )
 
 
-def _wrap_config_reader(original):
+def wrap_config_reader(original):
     """``PeftConfig.from_json_file``, which every loader reads a saved config with: errors that name the file."""
 
     @functools.wraps(original)
@@ -254,7 +255,7 @@ def _wrap_config_reader(original):
     return from_json_file
 
 
-def _wrap_peft_type_reader(original):
+def wrap_peft_type_reader(original):
     """``PeftConfig._get_peft_type``: a config without ``peft_type`` is a ``ValueError`` naming the folder."""
 
     @functools.wraps(original)
@@ -269,7 +270,7 @@ def _wrap_peft_type_reader(original):
     return _get_peft_type
 
 
-def _wrap_push(original):
+def wrap_push(original):
     @functools.wraps(original)
     def push_to_hub(self, repo_id, *args, commit_message=None, private=None, token=None, revision=None, **kwargs):
         if not _is_graft(self):

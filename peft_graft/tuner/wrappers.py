@@ -17,17 +17,17 @@ from peft.utils.other import AuxiliaryTrainingWrapper
 from transformers import PreTrainedModel
 
 from .persistence import (
-    _wrap_config_reader,
-    _wrap_load,
-    _wrap_peft_type_reader,
-    _wrap_push,
-    _wrap_save,
-    _wrap_transformers_load,
     is_graft_config,
+    wrap_config_reader,
+    wrap_load,
+    wrap_peft_type_reader,
+    wrap_push,
+    wrap_save,
+    wrap_transformers_load,
 )
 
 
-def _wrap_transformers_enable(original):
+def wrap_transformers_enable(original):
     @functools.wraps(original)
     def enable_adapters(self) -> None:
         original(self)
@@ -42,11 +42,11 @@ def _wrap_transformers_enable(original):
 def method_wrappers() -> list[tuple[type, str, Callable]]:
     """``(class, method name, wrapper factory)`` of every library method the package wraps."""
     return [
-        (PeftModel, "save_pretrained", _wrap_save),
-        (PeftModel, "load_adapter", _wrap_load),
-        (PeftModel, "push_to_hub", _wrap_push),
-        (PeftConfig, "from_json_file", _wrap_config_reader),
-        (PeftConfig, "_get_peft_type", _wrap_peft_type_reader),
-        (PreTrainedModel, "load_adapter", _wrap_transformers_load),
-        (PreTrainedModel, "enable_adapters", _wrap_transformers_enable),
+        (PeftModel, "save_pretrained", wrap_save),
+        (PeftModel, "load_adapter", wrap_load),
+        (PeftModel, "push_to_hub", wrap_push),
+        (PeftConfig, "from_json_file", wrap_config_reader),
+        (PeftConfig, "_get_peft_type", wrap_peft_type_reader),
+        (PreTrainedModel, "load_adapter", wrap_transformers_load),
+        (PreTrainedModel, "enable_adapters", wrap_transformers_enable),
     ]
