@@ -237,12 +237,19 @@ def test_disabled_adapter_is_the_pre_trained_model(case):
     assert torch.equal(_logits(model, case.inputs()), _logits(case.grafted(model), case.inputs()))
 
 
-def test_several_adapters_switch_and_delete(case):
+def test_several_adapters_switch_save_selected_and_delete(case, tmp_path):
     model = case.model()
     model.add_adapter("other", case.config(region="random", seed=1))
     first, other = case.grafted(model), case.grafted(model, "other")
     model.set_adapter("other")
     assert torch.equal(_logits(model, case.inputs()), _logits(other, case.inputs()))
+    model.save_pretrained(tmp_path, selected_adapters=["other"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "README.md",
+        "other",
+    ]  # peft: a non-default adapter in its folder
+    loaded = PeftModel.from_pretrained(case.base(), tmp_path / "other")
+    assert torch.equal(_logits(loaded, case.inputs()), _logits(other, case.inputs()))
     model.set_adapter("default")
     assert torch.equal(_logits(model, case.inputs()), _logits(first, case.inputs()))
     model.delete_adapter("other")
