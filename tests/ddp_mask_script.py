@@ -53,6 +53,9 @@ def main(output_dir: str, search_fraction: float | None) -> None:
     trainer.save_model(os.path.join(output_dir, "final"))
     if trainer.is_world_process_zero():
         print(f"world_size={args.world_size} accumulation={args.gradient_accumulation_steps} {trainer.mask_report}")
+    if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads sometimes abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -400,7 +400,8 @@ def test_multihead_attention_out_proj_is_not_grafted_silently(caplog):
 
 
 def test_a_graft_under_fsdp_is_refused_at_forward(pair):
-    """FSDP v1 marks the parameters it flattens (use_orig_params=True) or replaces them by plain tensors (False)."""
+    """The parameter states FSDP v1 leaves (marked ``_fsdp_flattened`` outside the forward, plain tensors inside it);
+    tests/test_fsdp.py runs real FSDP."""
     pre, finetuned, _ = pair
     model = graft(pre, finetuned, sparsity=0.02)
     layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.stored_attrs)

@@ -384,7 +384,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     # ----------------------------------------------------------------------------------------------- merging
     def check_merge(self, adapter_names: list[str], safe_merge: bool = False) -> None:
         """Raise, changing nothing, if merging ``adapter_names`` here would fail: a region still being learned, the
-        wrong base (``verify_base``), or with ``safe_merge`` a non-finite merged value."""
+        wrong base (``verify_base``), sharded parameters (FSDP), or with ``safe_merge`` a non-finite merged value."""
+        if adapter_names:
+            _refuse_sharded(self.base_layer, self.stored_attrs, merging=True)
         for adapter_name in adapter_names:
             if self.is_learning(adapter_name):
                 raise ValueError(f"Adapter {adapter_name!r} is still learning its region: harden it before merging.")
@@ -492,17 +494,31 @@ def _rebuilder(layer: GraftLayer, adapter_name: str):
     return lambda: layer.soft_parameters(adapter_name, recomputing=True)
 
 
-def _refuse_sharded(base_layer: nn.Module, stored_attrs: list[str]) -> None:
-    """FSDP is not supported: FSDP v1 swaps flat-parameter views in around the forward (``use_orig_params=True`` marks
-    the original parameters ``_fsdp_flattened``; ``False`` replaces them by plain tensors), which shadows the graft's
-    substitution, so the graft would silently do nothing; FSDP2 shards them as DTensors."""
+def _sharding(base_layer: nn.Module, stored_attrs: list[str]) -> str | None:
+    """``"FSDP v1"``, ``"FSDP2"`` or ``None``: how the base layer's parameters are sharded, as the graft sees them.
+
+    FSDP v1 swaps views of its flat parameter into the module around each forward: plain tensors in the module's
+    parameter dict (``use_orig_params`` True or False), which the graft's substitution does not reach (the output is
+    then neither the graft's nor the base model's); outside the forward it marks them ``_fsdp_flattened``. FSDP2 keeps
+    sharded ``DTensor`` parameters outside the forward and unshards them into ordinary parameters for it, so an
+    unmerged graft's forward is exact (``tests/test_fsdp.py``), but merging would write into shards."""
     if not stored_attrs:
-        return
+        return None
     param = base_layer._parameters.get(stored_attrs[0])
-    if param is None or getattr(param, "_fsdp_flattened", False) or type(param).__name__ == "DTensor":
+    if not isinstance(param, nn.Parameter) or getattr(param, "_fsdp_flattened", False):
+        return "FSDP v1"
+    if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+        return "FSDP2"
+    return None
+
+
+def _refuse_sharded(base_layer: nn.Module, stored_attrs: list[str], merging: bool = False) -> None:
+    """FSDP v1 is refused at every use of a graft layer; FSDP2 only when merging (see :func:`_sharding`)."""
+    sharding = _sharding(base_layer, stored_attrs)
+    if sharding == "FSDP v1" or (sharding and merging):
+        what = "runs under FSDP v1" if sharding == "FSDP v1" else "is sharded by FSDP2 and cannot be merged"
         raise ValueError(
-            f"A graft layer ({type(base_layer).__name__}) runs under FSDP, which peft_graft does not support: FSDP "
-            "replaces the parameters the graft substitutes, so the graft would silently do nothing. Use DDP "
-            "(torchrun or accelerate launch without fsdp), or merge the graft first (merge_and_unload()) and shard "
-            "the plain model."
+            f"A graft layer ({type(base_layer).__name__}) {what}, which peft_graft does not support: the graft would "
+            "not apply as it should. Use DDP (torchrun or accelerate launch without fsdp) or FSDP2 (fully_shard) "
+            "for unmerged forward passes, or merge the graft first (merge_and_unload()) and shard the plain model."
         )

@@ -1,0 +1,49 @@
+"""Run by tests/test_fsdp.py under torchrun (2 CPU processes, gloo): a graft model sharded by FSDP v1 or FSDP2."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from peft import get_peft_model
+from testing_utils import clone_model, input_ids, make_pair
+
+import peft_graft  # noqa: F401  (registers the graft method)
+from peft_graft import GraftConfig
+
+
+def main(kind: str) -> None:
+    dist.init_process_group("gloo")
+    lines = []
+    pre, finetuned, task_type = make_pair("bert_cls")
+    config = GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type)
+    model = get_peft_model(clone_model(pre), config).eval()
+    with torch.no_grad():
+        expected = model(input_ids=input_ids()).logits
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.base_model.model.bert.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=input_ids()).logits
+        lines.append(f"forward exact: {torch.equal(logits, expected)}")
+    except ValueError as error:
+        lines.append(f"forward refused: {error}")
+    try:
+        (model.module if kind == "fsdp1" else model).merge_adapter()
+        lines.append("merged")
+    except ValueError as error:
+        lines.append(f"merge refused: {error}")
+    with open(f"rank{dist.get_rank()}.txt", "w") as handle:  # one file per process: printed lines interleave
+        handle.write("\n".join(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
