@@ -2,11 +2,10 @@
 
 peft's ``register_peft_method`` only accepts a name that is already a member of its ``PeftType`` enum, and a package
 outside peft cannot add one through any public API: :func:`extend_peft_type` inserts the member into the enum's
-internal maps. Neither library offers a hook around saving, loading or uploading an adapter, or around reading the
-``peft_type`` of a saved config: :func:`wrap_method` replaces a method (``PeftModel.load_adapter``, transformers'
-``load_adapter``, the class method ``PeftConfig._get_peft_type``) by a wrapper of it, once. Nothing here knows about
-grafts: the package passes its classes and wrappers in. ``tests/test_registration.py`` fails loudly if these internals
-change.
+internal maps. Neither library offers a hook around saving, loading or uploading an adapter, or around reading a saved
+config: :func:`wrap_method` replaces a method or class method by a wrapper of it, once (the list:
+``tuner/wrappers.py``). Nothing here knows about grafts: the package passes its classes and wrappers in.
+``tests/test_registration.py`` fails loudly if these internals change.
 """
 
 from __future__ import annotations
