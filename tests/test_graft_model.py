@@ -483,3 +483,20 @@ def test_graft_layers_expose_in_and_out_features(arch, module, features):
     layer = model.get_base_model().get_submodule(module)
     assert isinstance(layer, GraftLayer)
     assert (layer.in_features, layer.out_features) == features
+
+
+@pytest.mark.parametrize("combination", ["first", "last", "average"])
+def test_combined_adapter_combines_heads_stored_whole_by_the_same_rule(combination):
+    pre, finetuned, _ = make_pair("bert_cls")
+    other = finetune_like(pre, seed=2)
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20, task_type="SEQ_CLS"))
+    model.add_adapter("b", GraftConfig(finetuned=other, num_entries=20, task_type="SEQ_CLS"))
+    model.base_model.add_combined_adapter(["default", "b"], "both", combination=combination)
+    heads = model.base_model.model.classifier.modules_to_save
+    first, last = heads["default"].weight, heads["b"].weight
+    expected = {"first": first, "last": last, "average": (first + last) / 2}[combination]
+    assert torch.equal(heads["both"].weight, expected) and not heads["both"].weight.requires_grad
+    model.set_adapter("both")
+    assert model.base_model.model.classifier.active_adapters == ["both"]
+    model.delete_adapter("both")
+    assert "both" not in heads

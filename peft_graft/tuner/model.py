@@ -258,6 +258,8 @@ class GraftModel(BaseTuner):
 
         On entries in several regions the values are combined by ``combination``: ``"average"`` (default),
         ``"sum"``, ``"first"``, ``"last"``, or a callable mapping a ``(num_grafts_there, n)`` tensor to ``(n,)``.
+        Heads stored whole (``modules_to_save``) are combined entry by entry by the same rule (``"first"``: the
+        first graft's head); a graft without its own copy of a head contributes the base model's.
         peft's ``add_weighted_adapter`` only exists for LoRA-like methods, hence this method.
         """
         check_adapter_name(combined_name)
@@ -282,6 +284,7 @@ class GraftModel(BaseTuner):
                 exact[row, columns[positions.to(torch.int64).cpu()]] = targets.float().cpu()
             values = _combine(stacked, combination)
             regions[module] = (indices, values, _exact_after_combining(stacked, exact, values, indices))
+        heads = _combined_heads(self.model, adapter_names, combination)
         config = copy.copy(self.peft_config[adapter_names[0]])
         config.inference_mode, config.learn_region = True, False
         self.peft_config[combined_name] = config
@@ -290,11 +293,20 @@ class GraftModel(BaseTuner):
                 layer = self.model.get_submodule(module)
                 layer.set_region(combined_name, indices, values, unreachable)
                 layer.graft_values[combined_name].requires_grad_(False)
+            for wrapper, tensors in heads:
+                wrapper.update(combined_name)
+                for name, tensor in tensors.items():
+                    wrapper.modules_to_save[combined_name].get_parameter(name).data.copy_(tensor)
+                wrapper.modules_to_save[combined_name].requires_grad_(False)
             _record_layout(self.model, config, combined_name)
         except BaseException:
             del self.peft_config[combined_name]
             for layer in self.graft_layers().values():
                 layer.delete_adapter(combined_name)
+            for wrapper, _ in heads:
+                if combined_name in wrapper.modules_to_save:
+                    del wrapper.modules_to_save[combined_name]
+                    wrapper._adapters.discard(combined_name)
             raise
         self.model.peft_config = self.peft_config
         return self.get_region(combined_name)
@@ -428,6 +440,29 @@ def _exact_after_combining(
     row = picked.float().argmax(0)
     columns = picked.any(0).nonzero().reshape(-1)
     return indices[columns], exact[row[columns], columns]
+
+
+def _combined_heads(
+    model: nn.Module, adapter_names: list[str], combination
+) -> list[tuple[ModulesToSaveWrapper, dict[str, torch.Tensor]]]:
+    """Per ``modules_to_save`` wrapper holding a copy for any of ``adapter_names``: its parameters combined by
+    ``combination`` over the grafts (the base module's where a graft has no copy)."""
+    out = []
+    for wrapper in model.modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper) or not any(
+            n in wrapper.modules_to_save for n in adapter_names
+        ):
+            continue
+        sources = [
+            wrapper.modules_to_save[n] if n in wrapper.modules_to_save else wrapper.original_module  # noqa: SIM401
+            for n in adapter_names
+        ]
+        tensors = {}
+        for name, param in wrapper.original_module.named_parameters():
+            stacked = torch.stack([source.get_parameter(name).detach().float().reshape(-1).cpu() for source in sources])
+            tensors[name] = _combine(stacked, combination).reshape(param.shape)
+        out.append((wrapper, tensors))
+    return out
 
 
 def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
