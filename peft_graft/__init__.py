@@ -28,6 +28,9 @@ from .training import (
     MaskTrainingArguments,
     MovementL1Penalty,
     MovementL1Trainer,
+    RestrictTrainingCallback,
+    TrainingRestriction,
+    restrict_training,
 )
 from .tuner import GRAFT_NAME, GRAFT_PREFIX, GraftConfig, GraftLayer, GraftModel, RegionLearner
 from .tuner.wrappers import method_wrappers
@@ -60,9 +63,12 @@ __all__ = [
     "Region",
     "RegionLearner",
     "RegionRequest",
+    "RestrictTrainingCallback",
+    "TrainingRestriction",
     "global_top_k",
     "random_region",
     "register",
     "register_region_strategy",
+    "restrict_training",
     "top_k_movement",
 ]

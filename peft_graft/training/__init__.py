@@ -1,8 +1,10 @@
-"""Training: learning a region (``MaskTrainer``), fine-tuning with penalties, and the loss-term mechanism they share."""
+"""Training: learning a region (``MaskTrainer``), fine-tuning with penalties, the loss-term mechanism they share, and
+training restricted to a region (``TrainingRestriction``)."""
 
 from .finetune import MovementL1Penalty, MovementL1Trainer
 from .losses import LossTerm, LossTermsTrainer
 from .mask import MaskTrainer, MaskTrainingArguments, ScoreL1Penalty
+from .restriction import RestrictTrainingCallback, TrainingRestriction, restrict_training
 
 __all__ = [
     "LossTerm",
@@ -11,5 +13,8 @@ __all__ = [
     "MaskTrainingArguments",
     "MovementL1Penalty",
     "MovementL1Trainer",
+    "RestrictTrainingCallback",
     "ScoreL1Penalty",
+    "TrainingRestriction",
+    "restrict_training",
 ]

@@ -1,0 +1,121 @@
+"""Cost of a region-restricted training step (``peft_graft.restrict_training``) against a plain AdamW step.
+
+Variants: ``plain``; ``frozen`` (never change a random region of ``--fraction`` of every tensor: continual learning);
+``allowed`` (change only such a region: graft re-training). Time: all variants in one process, alternating, after a
+warm-up; the median of ``--repeats`` steps each. Memory: each variant in its own process (``--memory VARIANT``), the
+peak RSS of the training steps beside the plain step's.
+
+    python benchmarks/bench_restriction.py --model all-MiniLM-L6-v2      # batch 32 x 64
+    python benchmarks/bench_restriction.py --model roberta-base-random   # 125M random classifier, batch 4 x 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from bench_mask_step import MODELS, batch_for, load_pretrained, reset_peak, rss_gb
+
+from peft_graft import Region, restrict_training
+
+VARIANTS = ("plain", "frozen", "allowed")
+
+
+def region(model: torch.nn.Module, fraction: float) -> Region:
+    generator = torch.Generator().manual_seed(0)
+    return Region(
+        {
+            name: torch.randperm(p.numel(), generator=generator)[: max(1, round(fraction * p.numel()))]
+            for name, p in model.named_parameters()
+        }
+    )
+
+
+def setup(name: str, variant: str, fraction: float):
+    model = load_pretrained(name).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    kwargs = {} if variant == "plain" else {variant: region(model, fraction)}
+    restriction = restrict_training(model, **kwargs) if kwargs else None
+    return model, optimizer, restriction
+
+
+def step(model, optimizer, restriction, batch) -> float:
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    if restriction is None:
+        optimizer.step()
+    else:
+        restriction.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def time_all(name: str, repeats: int, fraction: float) -> dict[str, list[float]]:
+    runs = {variant: setup(name, variant, fraction) for variant in VARIANTS}
+    batch = batch_for(runs["plain"][0], name)
+    for run in runs.values():
+        step(*run, batch)  # warm-up (and optimizer state)
+    times = {variant: [] for variant in VARIANTS}
+    for _ in range(repeats):
+        for variant, run in runs.items():
+            times[variant].append(step(*run, batch))
+    return times
+
+
+def memory(name: str, variant: str, fraction: float, steps: int) -> dict:
+    run = setup(name, variant, fraction)
+    batch = batch_for(run[0], name)
+    step(*run, batch)
+    reset_peak()
+    for _ in range(steps):
+        step(*run, batch)
+    restriction = run[2]
+    return {"peak_gb": rss_gb("VmHWM"), "mask_bytes": restriction.extra_bytes if restriction else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="all-MiniLM-L6-v2")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--fraction", type=float, default=1e-3)
+    parser.add_argument("--memory", choices=VARIANTS, help="Measure one variant's memory (run by the parent).")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.memory:
+        print(json.dumps(memory(args.model, args.memory, args.fraction, steps=3)))
+        return
+    times = time_all(args.model, args.repeats, args.fraction)
+    plain = statistics.median(times["plain"])
+    params = sum(p.numel() for p in load_pretrained(args.model).parameters())
+    print(f"{args.model}, region {args.fraction:g} of every tensor, {params / 1e6:.1f}M parameters")
+    print("| variant | step (median) | vs plain | peak RSS | extra vs plain | mask bytes / parameter |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    peaks = {}
+    for variant in VARIANTS:
+        command = [
+            sys.executable,
+            __file__,
+            "--model",
+            args.model,
+            "--memory",
+            variant,
+            "--fraction",
+            str(args.fraction),
+        ]
+        peaks[variant] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    for variant in VARIANTS:
+        median, peak = statistics.median(times[variant]), peaks[variant]
+        extra = (peak["peak_gb"] - peaks["plain"]["peak_gb"]) * 1024**3 / params
+        print(
+            f"| {variant} | {median * 1000:.0f} ms | {median / plain:.2f}x | {peak['peak_gb']:.2f} GB | "
+            f"{extra:+.2f} B/param | {peak['mask_bytes'] / params:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Training restricted to a region: change only entries inside ``allowed``, never entries inside ``frozen``.
+
+The mechanism behind graft re-training, forget-free continual learning and multi-task "purify" steps (paper sections
+3 and 5). One :class:`TrainingRestriction` does the work; :func:`restrict_training` starts it for a custom loop and
+:class:`RestrictTrainingCallback` for any ``Trainer``.
+
+Entries outside the allowed set stay bit-identical whatever the optimizer does, because masking gradients alone is not
+enough (AdamW's decoupled weight decay and earlier momentum move entries with a zero gradient):
+
+- A gradient hook zeroes the gradient of disallowed entries as it is computed, so gradient clipping, gradient
+  accumulation and DDP's all-reduce only ever see allowed gradients (a tied tensor is one parameter: one hook).
+- A tensor with no allowed entry has its gradient set to ``None`` just before the optimizer step: every
+  ``torch.optim`` optimizer skips it entirely (no update, no decay, no state change).
+- A tensor with some allowed entries keeps the flat indices of its smaller side (the disallowed entries, e.g. earlier
+  tasks' regions, or the allowed ones, e.g. a region to re-train). Just before the step, the disallowed values are
+  copied (or the whole tensor, when the allowed side is the smaller); right after it they are written back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from ..regions import Region
+
+
+@dataclass
+class _Restricted:
+    """One parameter tensor and what of it may not change: all of it (``indices is None``); or, for a partly allowed
+    tensor, the flat ``indices`` of its disallowed entries (``inside_allowed=False``) or of its allowed ones
+    (``True``), whichever side is smaller."""
+
+    param: nn.Parameter
+    indices: torch.Tensor | None
+    inside_allowed: bool = False
+    saved: torch.Tensor | None = None
+
+
+def _plain_name(name: str) -> str:
+    """A parameter name without peft's wrapping levels, as :class:`~peft_graft.Region` names tensors."""
+    parts, out, skip = name.split("."), [], False
+    for index, part in enumerate(parts):
+        if skip:
+            skip = False
+        elif part == "modules_to_save":
+            skip = True
+        elif part not in ("base_layer", "original_module") and not (index < 2 and parts[:2] == ["base_model", "model"]):
+            out.append(part)
+    return ".".join(out)
+
+
+class TrainingRestriction:
+    """Restrict which parameter entries of ``model`` training may change.
+
+    Args:
+        model: The model being trained (a plain model, or a peft model: names are matched without peft's prefixes).
+        allowed: Only entries inside this region may change (``None``: every entry). Tensors the region does not
+            name are frozen whole, so a new head stored whole must be in it to train (``Region`` of all its entries).
+        frozen: Entries inside this region never change (``None``: none), e.g. the union of earlier tasks' regions.
+
+    Use :meth:`step` around ``optimizer.step()`` in a custom loop, or :class:`RestrictTrainingCallback` with a
+    ``Trainer``; :meth:`remove` (or leaving the ``with`` block) detaches the gradient hooks.
+    """
+
+    def __init__(self, model: nn.Module, allowed: Region | None = None, frozen: Region | None = None) -> None:
+        for name, region in (("allowed", allowed), ("frozen", frozen)):
+            if region is not None and not isinstance(region, Mapping):
+                raise TypeError(f"{name} must be a Region (parameter name -> flat indices), got {type(region)}.")
+        names_of: dict[int, set[str]] = {}  # a parameter's plain names (tied tensors have several)
+        params: dict[int, nn.Parameter] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if "graft_" not in name:  # a head stored whole: its trained copy and the original share the plain name
+                names_of.setdefault(id(param), set()).add(_plain_name(name))
+                params[id(param)] = param
+        known = set().union(*names_of.values())
+        for name, region in (("allowed", allowed), ("frozen", frozen)):
+            unknown = sorted(set(region or {}) - known)
+            if unknown:
+                raise ValueError(
+                    f"{name} names tensors the model does not have: {unknown[:5]}. Regions name parameters as the "
+                    "plain (unwrapped) model does, e.g. graft.get_region()."
+                )
+        self.restricted: list[_Restricted] = []
+        self._hooks = []
+        for key, param in params.items():
+            if not param.requires_grad:
+                continue
+            mask = self._disallowed(param, sorted(names_of[key]), allowed, frozen)
+            if mask is None or not mask.any():
+                continue  # free: nothing to restrict
+            num_disallowed = int(mask.sum())
+            if num_disallowed == mask.numel():
+                entry = _Restricted(param, None)
+            elif num_disallowed <= mask.numel() // 2:
+                entry = _Restricted(param, mask.reshape(-1).nonzero().reshape(-1))
+            else:
+                entry = _Restricted(param, (~mask).reshape(-1).nonzero().reshape(-1), inside_allowed=True)
+            self.restricted.append(entry)
+            self._hooks.append(param.register_hook(_zeroing_hook(entry)))
+
+    @staticmethod
+    def _disallowed(param, names, allowed, frozen) -> torch.Tensor | None:
+        """Boolean mask of the entries of ``param`` that may not change, or ``None`` if all may."""
+        numel = param.numel()
+        disallowed = None
+        if allowed is not None:
+            disallowed = torch.ones(numel, dtype=torch.bool, device=param.device)
+            for name in names:
+                if name in allowed:
+                    disallowed[_checked(allowed[name], numel, name, "allowed").to(param.device)] = False
+        if frozen is not None:
+            for name in (n for n in names if n in frozen):
+                if disallowed is None:
+                    disallowed = torch.zeros(numel, dtype=torch.bool, device=param.device)
+                disallowed[_checked(frozen[name], numel, name, "frozen").to(param.device)] = True
+        return disallowed
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held between steps: the flat indices of the partly allowed tensors."""
+        return sum(e.indices.numel() * e.indices.element_size() for e in self.restricted if e.indices is not None)
+
+    def before_step(self) -> None:
+        """Just before ``optimizer.step()``: drop the gradients of whole frozen tensors, copy partly frozen values."""
+        for entry in self.restricted:
+            flat = entry.param.detach().reshape(-1)
+            if entry.indices is None:
+                entry.param.grad = None
+            elif entry.inside_allowed:
+                entry.saved = flat.clone()
+            else:
+                entry.saved = flat[entry.indices].clone()
+
+    def after_step(self) -> None:
+        """Right after ``optimizer.step()``: write the copied values back, bit for bit."""
+        with torch.no_grad():
+            for entry in self.restricted:
+                if entry.saved is None:
+                    continue
+                flat = entry.param.view(-1)
+                if entry.inside_allowed:  # keep the stepped allowed entries, restore everything else
+                    stepped = flat[entry.indices]
+                    flat.copy_(entry.saved)
+                    flat[entry.indices] = stepped
+                else:
+                    flat[entry.indices] = entry.saved
+                entry.saved = None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` under the restriction (for a custom loop)."""
+        self.before_step()
+        optimizer.step()
+        self.after_step()
+
+    def remove(self) -> None:
+        """Detach the gradient hooks; the model trains unrestricted again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __enter__(self) -> TrainingRestriction:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _checked(indices: torch.Tensor, numel: int, name: str, field: str) -> torch.Tensor:
+    indices = torch.as_tensor(indices).to(torch.int64)
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+        raise ValueError(f"{field} region: indices of {name!r} fall outside [0, {numel}).")
+    return indices
+
+
+def _zeroing_hook(entry: _Restricted):
+    """A gradient hook returning the gradient with the disallowed entries of ``entry`` zeroed."""
+    if entry.indices is None:
+        return torch.zeros_like
+    if entry.inside_allowed:
+
+        def keep_allowed(grad: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(grad)
+            out.view(-1)[entry.indices] = grad.reshape(-1)[entry.indices]
+            return out
+
+        return keep_allowed
+    return lambda grad: grad.reshape(-1).index_fill(0, entry.indices, 0).view_as(grad)
+
+
+def restrict_training(
+    model: nn.Module, allowed: Region | None = None, frozen: Region | None = None
+) -> TrainingRestriction:
+    """Restrict a custom training loop: ``restriction.step(optimizer)`` replaces ``optimizer.step()``.
+
+    See :class:`TrainingRestriction` for ``allowed``/``frozen`` and the guarantee.
+    """
+    return TrainingRestriction(model, allowed, frozen)
+
+
+class RestrictTrainingCallback(TrainerCallback):
+    """Restrict any ``Trainer`` run to a region: ``Trainer(..., callbacks=[RestrictTrainingCallback(allowed=...)])``.
+
+    See :class:`TrainingRestriction`. The hooks are attached when training begins and removed when it ends.
+    """
+
+    def __init__(self, allowed: Region | None = None, frozen: Region | None = None) -> None:
+        self.allowed, self.frozen = allowed, frozen
+        self.restriction: TrainingRestriction | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.restriction = TrainingRestriction(model, self.allowed, self.frozen)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.restriction.before_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.restriction.after_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.restriction is not None:
+            self.restriction.remove()
+            self.restriction = None

@@ -1,0 +1,175 @@
+"""Training restricted to a region: entries outside the allowed set stay bit-identical after real optimizer steps."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from peft import get_peft_model
+from safetensors.torch import load_file
+from test_mask_trainer_ddp import run
+from testing_utils import clone_model, cls_dataset, fast_args, input_ids, make_pair
+from transformers import Trainer
+
+from peft_graft import GraftConfig, Region, RestrictTrainingCallback, TrainingRestriction, restrict_training
+
+OPTIMIZERS = {
+    "sgd_momentum_decay": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1),
+    "adamw_decay": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+    "adam_coupled_decay": lambda params: torch.optim.Adam(params, lr=0.05, weight_decay=0.1),
+}
+
+
+def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
+    """A seeded random region over every tensor of ``model`` (tied tensors under their first name)."""
+    generator = torch.Generator().manual_seed(seed)
+    return Region(
+        {
+            name: torch.randperm(param.numel(), generator=generator)[: max(1, int(fraction * param.numel()))]
+            for name, param in model.named_parameters()
+        }
+    )
+
+
+def flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone().reshape(-1) for name, param in model.named_parameters()}
+
+
+def changed_entries(before: dict, after: dict, name: str) -> torch.Tensor:
+    """Flat indices of ``name`` whose bits changed."""
+    return (before[name].view(torch.int32) != after[name].view(torch.int32)).nonzero().reshape(-1)
+
+
+def train(model, optimizer, restriction, steps: int = 3, accumulation: int = 2, max_norm: float | None = 0.5):
+    model.train()
+    for step in range(steps):
+        for micro in range(accumulation):
+            ids = input_ids(batch=2, seed=10 * step + micro)
+            output = model(input_ids=ids, labels=ids if model.config.model_type != "bert" else ids[:, 0] % 3)
+            (output.loss / accumulation).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        restriction.step(optimizer)
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("arch", ["roberta_mlm", "gpt2", "bert_cls"])
+def test_only_allowed_entries_change(arch, optimizer):
+    """Tied tensors (RoBERTa's decoder and embeddings, GPT-2's head) and a classification head, with decay,
+    momentum, gradient accumulation and clipping."""
+    pre, _, _ = make_pair(arch)
+    model = clone_model(pre)
+    allowed = sparse_region(model, 0.05, seed=1)
+    before = flat_state(model)
+    with restrict_training(model, allowed=allowed) as restriction:
+        train(model, OPTIMIZERS[optimizer](model.parameters()), restriction)
+    after = flat_state(model)
+    moved = 0
+    for name in before:
+        changed = changed_entries(before, after, name)
+        assert bool(torch.isin(changed, allowed[name]).all()), name
+        moved += changed.numel()
+    assert moved > 0.5 * allowed.num_entries  # training did happen inside the region
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_frozen_entries_never_change(optimizer):
+    pre, _, _ = make_pair("roberta_mlm")
+    model = clone_model(pre)
+    frozen = sparse_region(model, 0.02, seed=2)
+    before = flat_state(model)
+    with restrict_training(model, frozen=frozen) as restriction:
+        train(model, OPTIMIZERS[optimizer](model.parameters()), restriction)
+    after = flat_state(model)
+    for name in before:
+        assert not bool(torch.isin(changed_entries(before, after, name), frozen[name]).any()), name
+    assert sum(changed_entries(before, after, n).numel() for n in before) > 0.5 * sum(
+        t.numel() for t in before.values()
+    )
+    assert restriction.extra_bytes == 8 * frozen.num_entries  # the int64 indices of the frozen entries
+
+
+def test_allowed_minus_frozen_and_whole_frozen_tensors_keep_no_optimizer_state():
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    allowed = Region({name: torch.arange(0, 100)})
+    frozen = Region({name: torch.arange(50, 150)})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    before = flat_state(model)
+    with restrict_training(model, allowed=allowed, frozen=frozen) as restriction:
+        train(model, optimizer, restriction)
+    after = flat_state(model)
+    assert set(changed_entries(before, after, name).tolist()) <= set(range(50))
+    assert all(changed_entries(before, after, n).numel() == 0 for n in before if n != name)
+    params = dict(model.named_parameters())
+    assert params[name] in optimizer.state and params["bert.pooler.dense.weight"] not in optimizer.state
+
+
+def test_trainer_callback_with_adamw_accumulation_and_clipping(tmp_path):
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    frozen = sparse_region(model, 0.05, seed=3)
+    before = flat_state(model)
+    args = fast_args(
+        tmp_path, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.05,
+        weight_decay=0.1, max_grad_norm=0.5,
+    )  # fmt: skip
+    callback = RestrictTrainingCallback(frozen=frozen)
+    Trainer(model=model, args=args, train_dataset=cls_dataset(n=24), callbacks=[callback]).train()
+    after = flat_state(model)
+    for name in before:
+        assert not bool(torch.isin(changed_entries(before, after, name), frozen[name]).any()), name
+    assert sum(changed_entries(before, after, n).numel() for n in before) > 0
+    assert callback.restriction is None and all(not p._backward_hooks for p in model.parameters())
+
+
+def test_a_graft_model_is_restricted_by_plain_parameter_names():
+    """peft's wrapping (base_layer, modules_to_save) is invisible to the regions: they name plain parameters."""
+    pre, finetuned, _ = make_pair("bert_cls")
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20, task_type="SEQ_CLS"))
+    for param in model.parameters():
+        param.requires_grad_(True)  # train everything the restriction allows, graft tensors aside
+    for module in model.modules():
+        if hasattr(module, "graft_values"):
+            module.graft_values.requires_grad_(False)
+    region = model.base_model.get_region()
+    restriction = TrainingRestriction(model, allowed=region)
+    restricted = {id(entry.param) for entry in restriction.restricted}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert restricted == trainable  # body tensors by their base_layer names, the head's trained copy by its own
+    head = model.base_model.model.classifier.modules_to_save["default"].weight
+    partly = {id(entry.param) for entry in restriction.restricted if entry.indices is not None}
+    assert id(head) not in partly  # the region holds no head entry: the head is frozen whole
+    restriction.remove()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"allowed": {"nope.weight": torch.tensor([0])}}, ValueError, r"allowed names tensors the model does not have"),
+        ({"frozen": Region({"classifier.weight": torch.tensor([10**6])})}, ValueError, r"fall outside \[0, 96\)"),
+        ({"allowed": [1, 2]}, TypeError, "allowed must be a Region"),
+    ],
+)
+def test_bad_regions_are_clear_errors(kwargs, error, match):
+    pre, _, _ = make_pair("bert_cls")
+    with pytest.raises(error, match=match):
+        TrainingRestriction(clone_model(pre), **kwargs)
+
+
+@pytest.mark.multiprocess
+def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
+    run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, str(tmp_path)],
+        tmp_path,
+    )
+    for rank in (0, 1):
+        world, kept, moved = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert world == "world_size=2" and kept == "kept=True" and int(moved.split("=")[1]) > 0
+    first, second = load_file(tmp_path / "params0.safetensors"), load_file(tmp_path / "params1.safetensors")
+    assert all(torch.equal(first[name], second[name]) for name in first)
