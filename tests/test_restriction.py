@@ -124,7 +124,7 @@ def test_trainer_callback_with_adamw_accumulation_and_clipping(tmp_path):
     for name in before:
         assert not bool(torch.isin(changed_entries(before, after, name), frozen[name]).any()), name
     assert sum(changed_entries(before, after, n).numel() for n in before) > 0
-    assert callback.restriction is None and all(not p._backward_hooks for p in model.parameters())
+    assert callback.restriction is None and all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def test_a_graft_model_is_restricted_by_plain_parameter_names():
@@ -173,3 +173,14 @@ def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
         assert world == "world_size=2" and kept == "kept=True" and int(moved.split("=")[1]) > 0
     first, second = load_file(tmp_path / "params0.safetensors"), load_file(tmp_path / "params1.safetensors")
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_gradient_clipping_sees_only_allowed_gradients():
+    pre, _, _ = make_pair("gpt2")
+    model = clone_model(pre)
+    frozen = sparse_region(model, 0.3, seed=4)
+    with restrict_training(model, frozen=frozen):
+        ids = input_ids(batch=2)
+        model(input_ids=ids, labels=ids).loss.backward()
+        for name, param in model.named_parameters():
+            assert not bool(param.grad.reshape(-1)[frozen[name]].any()), name

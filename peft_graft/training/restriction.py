@@ -7,8 +7,8 @@ The mechanism behind graft re-training, forget-free continual learning and multi
 Entries outside the allowed set stay bit-identical whatever the optimizer does, because masking gradients alone is not
 enough (AdamW's decoupled weight decay and earlier momentum move entries with a zero gradient):
 
-- A gradient hook zeroes the gradient of disallowed entries as it is computed, so gradient clipping, gradient
-  accumulation and DDP's all-reduce only ever see allowed gradients (a tied tensor is one parameter: one hook).
+- A hook zeroes the disallowed entries of ``param.grad``, in place, each time a gradient is accumulated into it, so
+  gradient clipping and gradient accumulation only see allowed gradients (a tied tensor is one parameter: one hook).
 - A tensor with no allowed entry has its gradient set to ``None`` just before the optimizer step: every
   ``torch.optim`` optimizer skips it entirely (no update, no decay, no state change).
 - A tensor with some allowed entries keeps the flat indices of its smaller side (the disallowed entries, e.g. earlier
@@ -100,7 +100,7 @@ class TrainingRestriction:
             else:
                 entry = _Restricted(param, (~mask).reshape(-1).nonzero().reshape(-1), inside_allowed=True)
             self.restricted.append(entry)
-            self._hooks.append(param.register_hook(_zeroing_hook(entry)))
+            self._hooks.append(param.register_post_accumulate_grad_hook(_zeroing_hook(entry)))
 
     @staticmethod
     def _disallowed(param, names, allowed, frozen) -> torch.Tensor | None:
@@ -177,18 +177,22 @@ def _checked(indices: torch.Tensor, numel: int, name: str, field: str) -> torch.
 
 
 def _zeroing_hook(entry: _Restricted):
-    """A gradient hook returning the gradient with the disallowed entries of ``entry`` zeroed."""
-    if entry.indices is None:
-        return torch.zeros_like
-    if entry.inside_allowed:
+    """A hook run once a gradient is accumulated into ``param.grad``: zero its disallowed entries there, in place."""
 
-        def keep_allowed(grad: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros_like(grad)
-            out.view(-1)[entry.indices] = grad.reshape(-1)[entry.indices]
-            return out
+    def zero_disallowed(param: torch.Tensor) -> None:
+        if not param.grad.is_contiguous():
+            param.grad = param.grad.contiguous()
+        flat = param.grad.view(-1)
+        if entry.indices is None:
+            flat.zero_()
+        elif entry.inside_allowed:
+            kept = flat[entry.indices]
+            flat.zero_()
+            flat[entry.indices] = kept
+        else:
+            flat.index_fill_(0, entry.indices, 0)
 
-        return keep_allowed
-    return lambda grad: grad.reshape(-1).index_fill(0, entry.indices, 0).view_as(grad)
+    return zero_disallowed
 
 
 def restrict_training(
