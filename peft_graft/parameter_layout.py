@@ -93,6 +93,23 @@ class Layout:
         return modules
 
 
+PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the base model
+
+
+def peft_free_name(name: str) -> str:
+    """``name`` without peft's wrapping levels (``base_layer``, ``original_module``, ``modules_to_save.<adapter>``):
+    the name the plain model gives the tensor or module."""
+    parts, out, skip = name.split("."), [], False
+    for part in parts:
+        if skip:
+            skip = False
+        elif part == "modules_to_save":
+            skip = True
+        elif part not in ("base_layer", "original_module"):
+            out.append(part)
+    return ".".join(out)
+
+
 def _normalize(name: str) -> str:
     """Module name without peft's ``.base_layer`` wrapping levels."""
     return ".".join(part for part in name.split(".") if part != "base_layer")

@@ -7,22 +7,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from testing_utils import clone_model, cls_dataset, fast_args, make_pair
+from testing_utils import clone_model, cls_dataset, fast_args, make_pair, sparse_region
 from transformers import Trainer
 
-from peft_graft import Region, RestrictTrainingCallback
+from peft_graft import RestrictTrainingCallback
 
 
 def main(output_dir: str) -> None:
     pre, _, _ = make_pair("bert_cls")
     model = clone_model(pre)
-    generator = torch.Generator().manual_seed(3)
-    frozen = Region(
-        {
-            n: torch.randperm(p.numel(), generator=generator)[: max(1, p.numel() // 20)]
-            for n, p in model.named_parameters()
-        }
-    )
+    frozen = sparse_region(model, 0.05, seed=3)
     before = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters()}
     args = fast_args(
         Path(output_dir),

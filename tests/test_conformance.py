@@ -141,14 +141,7 @@ def _make_case(arch: str, style: str) -> Case:
     factory, inputs, task_type, _ = MODELS[arch]
     torch.manual_seed(0)
     pre = factory().eval()
-    if arch in TRANSFORMERS_MODELS:
-        finetuned = finetune_like(pre)
-    else:
-        finetuned = copy.deepcopy(pre)
-        with torch.no_grad():
-            for param in finetuned.parameters():
-                param.add_(torch.randn_like(param) * 0.01)
-    return Case(arch, style, pre, finetuned, inputs, task_type)
+    return Case(arch, style, pre, finetune_like(pre), inputs, task_type)
 
 
 @pytest.fixture(params=[(arch, style) for arch in MODELS for style in STYLES], ids="-".join)

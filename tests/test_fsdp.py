@@ -4,17 +4,15 @@ exact and merging under it is refused."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-from test_mask_trainer_ddp import run
+from testing_utils import TORCHRUN, run_command
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_graft_script.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def results(kind: str, tmp_path) -> list[list[str]]:
-    run([*TORCHRUN, SCRIPT, kind], tmp_path)
+    run_command([*TORCHRUN, SCRIPT, kind], tmp_path)
     return [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
 
 

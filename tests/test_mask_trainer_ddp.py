@@ -3,31 +3,22 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from testing_utils import TORCHRUN, run_command
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_mask_script.py")
-
-
-def run(command: list[str], cwd) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("search_fraction", [None, 0.3], ids=["dense", "search_space"])
 def test_two_processes_learn_the_same_mask_as_one(tmp_path, search_fraction):
     extra = [] if search_fraction is None else [str(search_fraction)]
-    single = run([sys.executable, SCRIPT, str(tmp_path / "one"), *extra], tmp_path)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    double = run([*torchrun, SCRIPT, str(tmp_path / "two"), *extra], tmp_path)
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one"), *extra], tmp_path)
+    double = run_command([*TORCHRUN, SCRIPT, str(tmp_path / "two"), *extra], tmp_path)
     assert "world_size=1 accumulation=4" in single and "world_size=2 accumulation=2" in double
 
     one = load_file(tmp_path / "one" / "checkpoint-2" / "graft_scores.safetensors")

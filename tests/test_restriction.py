@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
-from test_mask_trainer_ddp import run
-from testing_utils import clone_model, cls_dataset, fast_args, input_ids, make_pair
+from testing_utils import (
+    TORCHRUN,
+    clone_model,
+    cls_dataset,
+    fast_args,
+    input_ids,
+    make_pair,
+    run_command,
+    sparse_region,
+)
 from transformers import Trainer
 
 from peft_graft import GraftConfig, Region, RestrictTrainingCallback, TrainingRestriction, restrict_training
@@ -20,17 +27,6 @@ OPTIMIZERS = {
     "adamw_decay": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
     "adam_coupled_decay": lambda params: torch.optim.Adam(params, lr=0.05, weight_decay=0.1),
 }
-
-
-def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
-    """A seeded random region over every tensor of ``model`` (tied tensors under their first name)."""
-    generator = torch.Generator().manual_seed(seed)
-    return Region(
-        {
-            name: torch.randperm(param.numel(), generator=generator)[: max(1, int(fraction * param.numel()))]
-            for name, param in model.named_parameters()
-        }
-    )
 
 
 def flat_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -55,18 +51,22 @@ def train(model, optimizer, restriction, steps: int = 3, accumulation: int = 2, 
         optimizer.zero_grad()
 
 
+def train_restricted(model, optimizer: str, **regions):
+    """``(parameters before, parameters after, the restriction)`` of :func:`train` under ``regions``."""
+    before = flat_state(model)
+    with restrict_training(model, **regions) as restriction:
+        train(model, OPTIMIZERS[optimizer](model.parameters()), restriction)
+    return before, flat_state(model), restriction
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("arch", ["roberta_mlm", "gpt2", "bert_cls"])
 def test_only_allowed_entries_change(arch, optimizer):
     """Tied tensors (RoBERTa's decoder and embeddings, GPT-2's head) and a classification head, with decay,
     momentum, gradient accumulation and clipping."""
-    pre, _, _ = make_pair(arch)
-    model = clone_model(pre)
+    model = clone_model(make_pair(arch)[0])
     allowed = sparse_region(model, 0.05, seed=1)
-    before = flat_state(model)
-    with restrict_training(model, allowed=allowed) as restriction:
-        train(model, OPTIMIZERS[optimizer](model.parameters()), restriction)
-    after = flat_state(model)
+    before, after, _ = train_restricted(model, optimizer, allowed=allowed)
     moved = 0
     for name in before:
         changed = changed_entries(before, after, name)
@@ -77,13 +77,9 @@ def test_only_allowed_entries_change(arch, optimizer):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_frozen_entries_never_change(optimizer):
-    pre, _, _ = make_pair("roberta_mlm")
-    model = clone_model(pre)
+    model = clone_model(make_pair("roberta_mlm")[0])
     frozen = sparse_region(model, 0.02, seed=2)
-    before = flat_state(model)
-    with restrict_training(model, frozen=frozen) as restriction:
-        train(model, OPTIMIZERS[optimizer](model.parameters()), restriction)
-    after = flat_state(model)
+    before, after, restriction = train_restricted(model, optimizer, frozen=frozen)
     for name in before:
         assert not bool(torch.isin(changed_entries(before, after, name), frozen[name]).any()), name
     assert sum(changed_entries(before, after, n).numel() for n in before) > 0.5 * sum(
@@ -164,8 +160,8 @@ def test_bad_regions_are_clear_errors(kwargs, error, match):
 @pytest.mark.multiprocess
 def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
-    run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, str(tmp_path)],
+    run_command(
+        [*TORCHRUN, script, str(tmp_path)],
         tmp_path,
     )
     for rank in (0, 1):

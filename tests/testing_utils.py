@@ -1,7 +1,12 @@
 """Helpers shared by the tests: tiny random models built from configs (no download), a synthetic "fine-tuning",
-and the small MaskTrainer set-ups several test modules use."""
+the small MaskTrainer set-ups several test modules use, and running a script in 2 processes."""
 
 from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
 
 import torch
 from datasets import Dataset
@@ -19,7 +24,7 @@ from transformers import (
     RobertaForSequenceClassification,
 )
 
-from peft_graft import GraftConfig, GraftLayer, MaskTrainingArguments
+from peft_graft import GraftConfig, GraftLayer, MaskTrainingArguments, Region
 
 VOCAB = 99
 SMALL = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, max_position_embeddings=64)
@@ -71,10 +76,10 @@ ARCHITECTURES = {
 
 
 def finetune_like(model: torch.nn.Module, scale: float = 0.01, seed: int = 1, skip: str | None = None):
-    """A copy of ``model`` with every parameter moved by seeded noise (a stand-in for fine-tuning)."""
+    """A copy of ``model`` (any ``nn.Module``) with every parameter moved by seeded noise (a stand-in for
+    fine-tuning)."""
     generator = torch.Generator().manual_seed(seed)
-    finetuned = type(model)(model.config).to(next(model.parameters()).dtype)
-    finetuned.load_state_dict(model.state_dict())
+    finetuned = copy.deepcopy(model)
     with torch.no_grad():
         for name, param in finetuned.named_parameters():
             if skip is None or skip not in name:
@@ -136,3 +141,26 @@ def scores(model) -> dict[str, torch.Tensor]:
         for n, m in model.named_modules()
         if isinstance(m, GraftLayer) and m.is_learning("default")
     }
+
+
+def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
+    """A seeded random region of ``fraction`` of every tensor of ``model`` (tied tensors under their first name)."""
+    generator = torch.Generator().manual_seed(seed)
+    return Region(
+        {
+            name: torch.randperm(param.numel(), generator=generator)[: max(1, int(fraction * param.numel()))]
+            for name, param in model.named_parameters()
+        }
+    )
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def run_command(command: list[str], cwd) -> str:
+    """Run ``command`` (e.g. ``[*TORCHRUN, script, ...]``) on CPU threads only; its stdout, or a failed assertion."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout

@@ -16,9 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .._checksum import CONFIG_NAME, WEIGHTS_NAME, verify_weights_checksum
-from ..parameter_layout import Layout, build_layout
-
-PEFT_PREFIX = "base_model.model."
+from ..parameter_layout import PEFT_PREFIX, Layout, build_layout
 
 
 class Region(Mapping[str, torch.Tensor]):

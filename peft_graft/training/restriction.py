@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..parameter_layout import PEFT_PREFIX, peft_free_name
 from ..regions import Region
 
 
@@ -38,19 +39,6 @@ class _Restricted:
     indices: torch.Tensor | None
     inside_allowed: bool = False
     saved: torch.Tensor | None = None
-
-
-def _plain_name(name: str) -> str:
-    """A parameter name without peft's wrapping levels, as :class:`~peft_graft.Region` names tensors."""
-    parts, out, skip = name.split("."), [], False
-    for index, part in enumerate(parts):
-        if skip:
-            skip = False
-        elif part == "modules_to_save":
-            skip = True
-        elif part not in ("base_layer", "original_module") and not (index < 2 and parts[:2] == ["base_model", "model"]):
-            out.append(part)
-    return ".".join(out)
 
 
 class TrainingRestriction:
@@ -74,7 +62,7 @@ class TrainingRestriction:
         params: dict[int, nn.Parameter] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             if "graft_" not in name:  # a head stored whole: its trained copy and the original share the plain name
-                names_of.setdefault(id(param), set()).add(_plain_name(name))
+                names_of.setdefault(id(param), set()).add(peft_free_name(name.removeprefix(PEFT_PREFIX)))
                 params[id(param)] = param
         known = set().union(*names_of.values())
         for name, region in (("allowed", allowed), ("frozen", frozen)):

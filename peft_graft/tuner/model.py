@@ -12,14 +12,13 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from ..parameter_layout import NO_ENTRIES, build_layout
+from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout
 from ..regions import Region
 from .config import GRAFT_PREFIX, GraftConfig
 from .layer import GraftLayer
 from .learning import RegionLearner, harden_exact
 from .planning import plan_loaded_graft, plan_new_graft
 
-PEFT_PREFIX = "base_model.model."
 COMBINATION_RULES = ("average", "sum", "first", "last")
 
 

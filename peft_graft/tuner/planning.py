@@ -14,7 +14,7 @@ import torch
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
-from ..parameter_layout import NO_ENTRIES, Layout
+from ..parameter_layout import NO_ENTRIES, Layout, peft_free_name
 from ..regions import Region, RegionRequest, choose_region, top_k_movement
 from ..scores.movement import eligible_tensors, exact_movement, finetuned_tensor, is_saved_whole, load_finetuned
 from .config import GraftConfig
@@ -108,7 +108,7 @@ def _wrapped_whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         original = getattr(module, "original_module", None)
         if isinstance(module, AuxiliaryTrainingWrapper) and original is not None:
             for attr, parameter in original.named_parameters():
-                out[f"{_peft_free(name)}.{attr}"] = parameter
+                out[f"{peft_free_name(name)}.{attr}"] = parameter
     return out
 
 
@@ -172,11 +172,11 @@ def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:
     ignored, and the two models are probably not a pre-trained model and its own fine-tune."""
     known = {alias for info in layout.tensors.values() for alias in info.aliases}
     known |= set(model.state_dict())
-    known |= {_peft_free(name) for name in known}
+    known |= {peft_free_name(name) for name in known}
     unknown = sorted(
         name
         for name, tensor in state.items()
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and _peft_free(name) not in known
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and peft_free_name(name) not in known
     )
     if unknown:
         warnings.warn(
@@ -185,16 +185,3 @@ def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:
             UserWarning,
             stacklevel=4,
         )
-
-
-def _peft_free(name: str) -> str:
-    """``name`` without peft's wrapping levels (``base_layer``, ``original_module``, ``modules_to_save.<adapter>``)."""
-    parts, out, skip = name.split("."), [], False
-    for part in parts:
-        if skip:
-            skip = False
-        elif part == "modules_to_save":
-            skip = True
-        elif part not in ("base_layer", "original_module"):
-            out.append(part)
-    return ".".join(out)
