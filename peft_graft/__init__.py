@@ -22,6 +22,7 @@ from .regions import (
     top_k_movement,
 )
 from .training import (
+    ContinualGrafter,
     LossTerm,
     LossTermsTrainer,
     MaskTrainer,
@@ -50,6 +51,7 @@ PEFT_TYPE = register()
 __all__ = [
     "PEFT_TYPE",
     "REGION_STRATEGIES",
+    "ContinualGrafter",
     "GraftConfig",
     "GraftLayer",
     "GraftModel",

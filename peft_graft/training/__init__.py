@@ -1,12 +1,16 @@
 """Training: learning a region (``MaskTrainer``), fine-tuning with penalties, the loss-term mechanism they share, and
-training restricted to a region (``TrainingRestriction``)."""
+training restricted to a region (``TrainingRestriction``) and forget-free continual learning on top of it
+(``ContinualGrafter``)."""
 
+from .continual import ContinualGrafter, ContinualTask
 from .finetune import MovementL1Penalty, MovementL1Trainer
 from .losses import LossTerm, LossTermsTrainer
 from .mask import MaskTrainer, MaskTrainingArguments, ScoreL1Penalty
 from .restriction import RestrictTrainingCallback, TrainingRestriction, restrict_training
 
 __all__ = [
+    "ContinualGrafter",
+    "ContinualTask",
     "LossTerm",
     "LossTermsTrainer",
     "MaskTrainer",
