@@ -215,6 +215,11 @@ def test_bad_input_is_a_clear_error(pre, tmp_path):
     learner.save_pretrained(tmp_path / "state")
     with pytest.raises(ValueError, match="another pre-trained model"):
         ContinualGrafter.from_pretrained(tmp_path / "state", make_pair("bert_cls", seed=5)[0])
+    headless = ContinualGrafter(clone_model(pre))
+    headless.start_task("mr", region)
+    headless.finish_task()
+    with pytest.raises(ValueError, match="nothing could be trained"):
+        headless.start_task("trec", region)
     with pytest.raises(ValueError, match="not a saved ContinualGrafter"):
         ContinualGrafter.from_pretrained(tmp_path, clone_model(pre))
     with pytest.raises(ValueError, match="not this learner's pre-trained model"):

@@ -149,6 +149,7 @@ def test_a_graft_model_is_restricted_by_plain_parameter_names():
         ({"allowed": {"nope.weight": torch.tensor([0])}}, ValueError, r"allowed names tensors the model does not have"),
         ({"frozen": Region({"classifier.weight": torch.tensor([10**6])})}, ValueError, r"fall outside \[0, 96\)"),
         ({"allowed": [1, 2]}, TypeError, "allowed must be a Region"),
+        ({"allowed": Region()}, ValueError, "allowed is an empty region"),
     ],
 )
 def test_bad_regions_are_clear_errors(kwargs, error, match):
@@ -180,3 +181,59 @@ def test_gradient_clipping_sees_only_allowed_gradients():
         model(input_ids=ids, labels=ids).loss.backward()
         for name, param in model.named_parameters():
             assert not bool(param.grad.reshape(-1)[frozen[name]].any()), name
+
+
+class SubclassedAdamW(torch.optim.AdamW):
+    """Not one of the optimizers whose zero updates the restriction relies on: it takes the copying path."""
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_decay", "adam_coupled_decay", "sgd_momentum_decay"])
+def test_sparse_allowed_regions_skip_the_copy_and_train_as_the_copying_path(optimizer):
+    """With SGD/Adam/AdamW a sparse allowed region is trained without copying the frozen side: weight decay is applied
+    to the allowed entries by hand. The result matches the copying path, which any other optimizer takes."""
+    pre, _, _ = make_pair("bert_cls")
+    region = sparse_region(pre, 0.05, seed=4)
+    fast, copying = clone_model(pre), clone_model(pre)
+    before = flat_state(fast)
+    restriction = restrict_training(fast, allowed=region)
+    fast_optimizer = OPTIMIZERS[optimizer](fast.parameters())
+    copied = []
+    original_after_step = restriction.after_step
+
+    def after_step():
+        copied.extend(e.saved.numel() for e in restriction.restricted if e.saved is not None)
+        original_after_step()
+
+    restriction.after_step = after_step
+    torch.manual_seed(0)  # the same dropout in both runs
+    with restriction:
+        train(fast, fast_optimizer, restriction)
+    assert copied == []  # nothing copied around the step: not a single tensor
+    slow_optimizer = OPTIMIZERS[optimizer](copying.parameters())
+    slow_optimizer.__class__ = type("Copying", (type(slow_optimizer),), {})
+    torch.manual_seed(0)
+    with restrict_training(copying, allowed=region) as restriction:
+        train(copying, slow_optimizer, restriction)
+    after, reference = flat_state(fast), flat_state(copying)
+    for name in before:
+        changed = changed_entries(before, after, name)
+        assert bool(torch.isin(changed, region[name]).all()), name
+        torch.testing.assert_close(after[name], reference[name], rtol=1e-6, atol=1e-7)
+    assert all(fast_optimizer.param_groups[0][k] == v for k, v in {"weight_decay": 0.1}.items())
+    assert len(fast_optimizer.param_groups) == 1
+
+
+def test_optimizer_state_from_before_the_restriction_takes_the_copying_path():
+    """Momentum gathered before the restriction began would move frozen entries with a zero gradient: copied back."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)
+    with restrict_training(model) as free:
+        train(model, optimizer, free, steps=1)
+    region = sparse_region(model, 0.05, seed=5)
+    before = flat_state(model)
+    with restrict_training(model, allowed=region) as restriction:
+        train(model, optimizer, restriction)
+    after = flat_state(model)
+    for name in before:
+        assert bool(torch.isin(changed_entries(before, after, name), region[name]).all()), name

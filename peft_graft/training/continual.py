@@ -265,6 +265,11 @@ class ContinualGrafter:
             raise ValueError(f"A task named {name!r} was already learned (order {self._task(name).order}).")
         region = self._as_region(region, name)
         trained = region - self.learned_region
+        if not trained.num_entries and not self._head_params:
+            raise ValueError(
+                f"Task {name!r}: its region lies inside earlier tasks' regions and there is no head, so nothing "
+                "could be trained for it. Give it a region with new entries."
+            )
         if not trained.num_entries:
             logger.warning("Task %r: its region lies inside earlier tasks' regions; only its head is trained.", name)
         pretrained = {n: self._params[n].detach().reshape(-1)[idx.to(self._params[n].device)].cpu().clone()

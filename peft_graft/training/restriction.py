@@ -13,13 +13,19 @@ enough (AdamW's decoupled weight decay and earlier momentum move entries with a 
   ``torch.optim`` optimizer skips it entirely (no update, no decay, no state change).
 - A tensor with some allowed entries keeps the flat indices of its smaller side (the disallowed entries, e.g. earlier
   tasks' regions, or the allowed ones, e.g. a region to re-train). Just before the step, the disallowed values are
-  copied (or the whole tensor, when the allowed side is the smaller); right after it they are written back.
+  copied; right after it they are written back.
+- When the allowed side is the smaller, copying the disallowed side would mean copying nearly the whole tensor. With
+  ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (not ``maximize``) it is not needed: an entry whose gradient and optimizer
+  state have always been zero gets an update of exactly zero, so only weight decay could move it. For the step, such
+  tensors move to a parameter group of their own without weight decay, and the decay is applied to their allowed
+  entries by hand, as the optimizer would. Any other optimizer, or optimizer state that is not zero outside the
+  allowed entries (the optimizer stepped before the restriction began), takes the copy above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,6 +45,7 @@ class _Restricted:
     indices: torch.Tensor | None
     inside_allowed: bool = False
     saved: torch.Tensor | None = None
+    zero_state: dict[int, bool] = field(default_factory=dict)  # optimizer id -> state zero outside the allowed entries
 
 
 class TrainingRestriction:
@@ -49,6 +56,7 @@ class TrainingRestriction:
         allowed: Only entries inside this region may change (``None``: every entry). Tensors the region does not
             name are frozen whole, so a new head stored whole must be in it to train (``Region`` of all its entries).
         frozen: Entries inside this region never change (``None``: none), e.g. the union of earlier tasks' regions.
+            Where ``allowed`` and ``frozen`` overlap, ``frozen`` wins: those entries never change.
 
     Use :meth:`step` around ``optimizer.step()`` in a custom loop, or :class:`RestrictTrainingCallback` with a
     ``Trainer``; :meth:`remove` (or leaving the ``with`` block) detaches the gradient hooks.
@@ -64,6 +72,11 @@ class TrainingRestriction:
             if "graft_" not in name:  # a head stored whole: its trained copy and the original share the plain name
                 names_of.setdefault(id(param), set()).add(peft_free_name(name.removeprefix(PEFT_PREFIX)))
                 params[id(param)] = param
+        if allowed is not None and not any(torch.as_tensor(idx).numel() for idx in allowed.values()):
+            raise ValueError(
+                "allowed is an empty region: training could change nothing. Pass the entries to train, or "
+                "allowed=None to train every entry."
+            )
         known = set().union(*names_of.values())
         for name, region in (("allowed", allowed), ("frozen", frozen)):
             unknown = sorted(set(region or {}) - known)
@@ -112,19 +125,64 @@ class TrainingRestriction:
         """Bytes held between steps: the flat indices of the partly allowed tensors."""
         return sum(e.indices.numel() * e.indices.element_size() for e in self.restricted if e.indices is not None)
 
-    def before_step(self) -> None:
-        """Just before ``optimizer.step()``: drop the gradients of whole frozen tensors, copy partly frozen values."""
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Just before ``optimizer.step()``: drop the gradients of whole frozen tensors, copy partly frozen values (or,
+        given a ``torch.optim`` SGD/Adam/AdamW ``optimizer``, take sparse allowed entries out of weight decay)."""
+        optimizer = _unwrapped(optimizer)
+        sparse = [e for e in self.restricted if e.inside_allowed and e.param.grad is not None]
+        sparse = [e for e in sparse if _zero_update_outside(e, optimizer)]
+        if sparse:
+            self._decay_by_hand(optimizer, sparse)
+        skipped = {id(e) for e in sparse}
         for entry in self.restricted:
             flat = entry.param.detach().reshape(-1)
             if entry.indices is None:
                 entry.param.grad = None
+            elif id(entry) in skipped:
+                continue
             elif entry.inside_allowed:
                 entry.saved = flat.clone()
             else:
                 entry.saved = flat[entry.indices].clone()
 
+    def _decay_by_hand(self, optimizer: torch.optim.Optimizer, sparse: list[_Restricted]) -> None:
+        """Move the ``sparse`` tensors to groups without weight decay for this step, decaying their allowed entries
+        here as the optimizer would (decoupled: ``p *= 1 - lr * wd``; coupled: ``grad += wd * p``)."""
+        by_param = {id(e.param): e for e in sparse}
+        self._groups_before = [(group, group["params"]) for group in optimizer.param_groups]
+        self._grads_before = []
+        extra = []
+        for group in optimizer.param_groups:
+            mine = [p for p in group["params"] if id(p) in by_param]
+            if not mine or not group.get("weight_decay"):
+                continue
+            decay, lr = group["weight_decay"], group["lr"]
+            decoupled = isinstance(optimizer, torch.optim.Adam) and group.get("decoupled_weight_decay", False)
+            with torch.no_grad():
+                for param in mine:
+                    idx = by_param[id(param)].indices.to(param.device)
+                    if decoupled:
+                        flat = param.view(-1)
+                        flat[idx] = flat[idx].mul_(1 - lr * decay)
+                    else:
+                        grad = param.grad.view(-1)
+                        self._grads_before.append((grad, idx, grad[idx].clone()))
+                        grad[idx] = grad[idx].add_(param.view(-1)[idx], alpha=decay)
+            group["params"] = [p for p in group["params"] if id(p) not in by_param]
+            extra.append({**group, "params": mine, "weight_decay": 0.0})
+        optimizer.param_groups.extend(extra)
+        self._optimizer = optimizer
+
     def after_step(self) -> None:
         """Right after ``optimizer.step()``: write the copied values back, bit for bit."""
+        optimizer = getattr(self, "_optimizer", None)
+        if optimizer is not None:  # undo _decay_by_hand's regrouping and gradient changes
+            optimizer.param_groups[:] = [group for group, _ in self._groups_before]
+            for group, params in self._groups_before:
+                group["params"] = params
+            for grad, idx, values in self._grads_before:
+                grad[idx] = values
+            self._optimizer = None
         with torch.no_grad():
             for entry in self.restricted:
                 if entry.saved is None:
@@ -140,7 +198,7 @@ class TrainingRestriction:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` under the restriction (for a custom loop)."""
-        self.before_step()
+        self.before_step(optimizer)
         optimizer.step()
         self.after_step()
 
@@ -162,6 +220,32 @@ def _checked(indices: torch.Tensor, numel: int, name: str, field: str) -> torch.
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
         raise ValueError(f"{field} region: indices of {name!r} fall outside [0, {numel}).")
     return indices
+
+
+def _unwrapped(optimizer):
+    """The ``torch.optim`` optimizer inside accelerate's (or another) wrapper."""
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _zero_update_outside(entry: _Restricted, optimizer) -> bool:
+    """Whether ``optimizer`` leaves the disallowed entries of ``entry`` exactly as they are, weight decay aside: an
+    SGD/Adam/AdamW step (not ``maximize``) whose state is zero there (checked once per optimizer)."""
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if any(group.get("maximize") for group in optimizer.param_groups):
+        return False
+    key = id(optimizer)
+    if key not in entry.zero_state:
+        state, numel = optimizer.state.get(entry.param, {}), entry.param.numel()
+        allowed = entry.indices.to(entry.param.device)
+        entry.zero_state[key] = all(
+            int(v.count_nonzero()) == int(v.reshape(-1)[allowed].count_nonzero())
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() == numel
+        )
+    return entry.zero_state[key]
 
 
 def _zeroing_hook(entry: _Restricted):
@@ -206,8 +290,8 @@ class RestrictTrainingCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.restriction = TrainingRestriction(model, self.allowed, self.frozen)
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.restriction.before_step()
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.restriction.before_step(optimizer)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.restriction.after_step()
