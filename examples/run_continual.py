@@ -310,19 +310,33 @@ def multitask_regions(run: Runner, tasks: dict[str, Task], num_entries: int, rep
         groups, names, lambda region, name: purified_scores[_key(groups, region)][name], pretrained, full
     )
     figures = {
-        "overlap": (overlap, list(regions), "Region overlap |g_i & g_j| / |g_j|", list(regions)),
-        "relative_gain_single": (single, list(regions), "Relative gain (Eq. 5), region of the row's task", names),
-        "relative_gain_union": (union, list(groups), "Relative gain (Eq. 5), union of the row's group", names),
-        "relative_gain_purified": (purified, list(groups), "Relative gain (Eq. 5), union after purify", names),
+        "overlap": (overlap, list(regions), list(regions)),
+        "relative_gain_single": (single, list(regions), names),
+        "relative_gain_union": (union, list(groups), names),
+        "relative_gain_purified": (purified, list(groups), names),
     }
-    for file, (matrix, rows, title, columns) in figures.items():
-        save_figure(plot_region_matrix(matrix, rows, columns, title), report_dir / f"{file}.png")
+    matrices = {file: {"rows": rows, "columns": columns, "values": matrix.tolist()}
+                for file, (matrix, rows, columns) in figures.items()}  # fmt: skip
+    save_heatmaps(matrices, report_dir)
     return {
         "full": full, "pretrained": pretrained, "entries": {n: r.num_entries for n, r in regions.items()},
-        "matrices": {file: {"rows": rows, "columns": columns, "values": matrix.tolist()}
-                     for file, (matrix, rows, _, columns) in figures.items()},
-        "groups": GROUPS, "purified_accuracy": purified_scores,
+        "matrices": matrices, "groups": GROUPS, "purified_accuracy": purified_scores,
     }  # fmt: skip
+
+
+HEATMAP_TITLES = {
+    "overlap": "Overlap |g_i & g_j| / |g_j|",
+    "relative_gain_single": "Relative gain, single regions",
+    "relative_gain_union": "Relative gain, unions",
+    "relative_gain_purified": "Relative gain, purified unions",
+}
+
+
+def save_heatmaps(matrices: dict, report_dir: Path) -> None:
+    """One PNG per matrix (rows: regions, columns: tasks), e.g. again from a saved ``results.json``."""
+    for file, matrix in matrices.items():
+        figure = plot_region_matrix(matrix["values"], matrix["rows"], matrix["columns"], HEATMAP_TITLES[file])
+        save_figure(figure, report_dir / f"{file}.png")
 
 
 def _key(regions: dict[str, Region], region: Region) -> str:
