@@ -14,6 +14,7 @@ from testing_utils import (
     cls_dataset,
     fast_args,
     input_ids,
+    learning_graft,
     make_pair,
     run_command,
     sparse_region,
@@ -237,3 +238,10 @@ def test_optimizer_state_from_before_the_restriction_takes_the_copying_path():
     after = flat_state(model)
     for name in before:
         assert bool(torch.isin(changed_entries(before, after, name), region[name]).all()), name
+
+
+def test_a_model_learning_its_region_is_refused():
+    """MaskTrainer trains the scores S, which no region of model parameters describes: refused, not ignored."""
+    _, model = learning_graft("bert_cls", task_type="SEQ_CLS")
+    with pytest.raises(ValueError, match="MaskTrainer trains the scores S"):
+        restrict_training(model, frozen=Region({"classifier.weight": torch.tensor([0])}))

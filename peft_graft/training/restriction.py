@@ -69,6 +69,12 @@ class TrainingRestriction:
         names_of: dict[int, set[str]] = {}  # a parameter's plain names (tied tensors have several)
         params: dict[int, nn.Parameter] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
+            if "graft_learning" in name and param.requires_grad:
+                raise ValueError(
+                    f"The model is learning a graft region ({name!r} trains): MaskTrainer trains the scores S, not "
+                    "model parameters, so a restriction would change nothing. Restrict the fine-tuning runs instead, "
+                    "or choose the region's candidates with GraftConfig(include_parameters=..., region=...)."
+                )
             if "graft_" not in name:  # a head stored whole: its trained copy and the original share the plain name
                 names_of.setdefault(id(param), set()).add(peft_free_name(name.removeprefix(PEFT_PREFIX)))
                 params[id(param)] = param
