@@ -196,6 +196,8 @@ def test_bad_input_is_a_clear_error(pre, tmp_path):
         learner.start_task("../mr", region)
     with pytest.raises(TypeError, match="must be a Region"):
         learner.start_task("mr", 3)
+    with pytest.raises(ValueError, match="is not a saved graft"):
+        learner.start_task("mr", str(tmp_path))
     with pytest.raises(ValueError, match="no module 'head'"):
         ContinualGrafter(clone_model(pre), heads=["head"])
     with pytest.raises(TypeError, match="plain pre-trained model"):

@@ -139,9 +139,9 @@ class ContinualGrafter:
             checksums = region.peft_config[region.active_adapter].base_checksum
             region = region.get_region()
         elif isinstance(region, (str, os.PathLike)):
-            with open(os.path.join(region, CONFIG_NAME), encoding="utf-8") as handle:
+            folder, region = region, saved_region(region, build_layout(self.model))  # checks the folder first
+            with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
                 checksums = json.load(handle).get("base_checksum") or {}
-            region = saved_region(region, build_layout(self.model))
         elif isinstance(region, Mapping) and not isinstance(region, Region):
             region = Region(region)
         if not isinstance(region, Region):
