@@ -198,6 +198,11 @@ def test_bad_input_is_a_clear_error(pre, tmp_path):
         learner.start_task("mr", 3)
     with pytest.raises(ValueError, match="is not a saved graft"):
         learner.start_task("mr", str(tmp_path))
+    with pytest.raises(ValueError, match="has shape"):
+        wrong_head = {"classifier.weight": torch.zeros(2, 32), "classifier.bias": torch.zeros(2)}
+        learner.start_task("mr", region, head=wrong_head)
+    with pytest.raises(ValueError, match="no values for the head tensors"):
+        learner.start_task("mr", region, head={})
     with pytest.raises(ValueError, match="no module 'head'"):
         ContinualGrafter(clone_model(pre), heads=["head"])
     with pytest.raises(TypeError, match="plain pre-trained model"):

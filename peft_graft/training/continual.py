@@ -212,14 +212,15 @@ class ContinualGrafter:
         missing = sorted(set(self._head_params) - set(head))
         if missing:
             raise ValueError(f"{what} has no values for the head tensors {missing}.")
-        for name in self._head_params:
+        for name in self._head_params:  # every shape checked before any value is written
             param, value = self._params[name], head[name]
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{what}: head tensor {name!r} has shape {tuple(value.shape)}, the model's {tuple(param.shape)}."
                 )
-            with torch.no_grad():
-                param.copy_(value)
+        with torch.no_grad():
+            for name in self._head_params:
+                self._params[name].copy_(head[name])
 
     def _write(self, task: ContinualTask, values: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -275,8 +276,9 @@ class ContinualGrafter:
         pretrained = {n: self._params[n].detach().reshape(-1)[idx.to(self._params[n].device)].cpu().clone()
                       for n, idx in trained.items()}  # fmt: skip
         task = ContinualTask(name, len(self.tasks) + 1, region, trained, {}, pretrained, {})
-        self._running = {"task": task, "head_before": self._head_state()}
+        head_before = self._head_state()
         self._load_head(self.pretrained_head if head is None else head, f"Task {name!r}'s head")
+        self._running = {"task": task, "head_before": head_before}
         heads = Region({n: torch.arange(self._params[n].numel()) for n in self._head_params})
         return trained | heads
 
