@@ -129,13 +129,13 @@ class Runner:
         U.freeze(model, embeddings=True, lm_head=False)
         return model
 
-    def finetune(self, model, dataset: Dataset, steps: int, callbacks=()) -> torch.nn.Module:
+    def finetune(self, model, dataset: Dataset, steps: int, callbacks=(), lr: float | None = None) -> torch.nn.Module:
         s = self.settings
         args = TrainingArguments(
             output_dir=str(self.work / "trainer"), max_steps=steps, per_device_train_batch_size=s["ft_batch"],
-            learning_rate=s["ft_lr"], optim="sgd", weight_decay=1e-4, lr_scheduler_type="constant",
-            save_strategy="no", report_to="none", logging_steps=100, seed=self.seed, disable_tqdm=True,
-            dataloader_pin_memory=False,
+            learning_rate=s["ft_lr"] if lr is None else lr, optim="sgd", weight_decay=1e-4,
+            lr_scheduler_type="constant", save_strategy="no", report_to="none", logging_steps=100, seed=self.seed,
+            disable_tqdm=True, dataloader_pin_memory=False,
         )  # fmt: skip
         Trainer(model=model, args=args, train_dataset=dataset, data_collator=self.collator,
                 callbacks=list(callbacks)).train()  # fmt: skip
@@ -209,12 +209,10 @@ def continual_learning(run: Runner, tasks: dict[str, Task], num_entries: int, re
 
     learner = ContinualGrafter(copy.deepcopy(pre), heads=["classifier"])
     first_task_after = {}
-    region_run = Runner(run.model_dir, run.tokenizer, {**run.settings, "ft_lr": region_lr}, run.work, run.seed)
     for name, task in tasks.items():
         with learner.task(name, regions[name]) as allowed:
-            region_run.finetune(
-                learner.model, task.train, run.settings["ft_steps"], [RestrictTrainingCallback(allowed=allowed)]
-            )
+            callbacks = [RestrictTrainingCallback(allowed=allowed)]
+            run.finetune(learner.model, task.train, run.settings["ft_steps"], callbacks, lr=region_lr)
         grafts = learner.to_peft_model()
         grafts.set_adapter(TASKS[0])
         first_task_after[name] = run.logits(grafts, tasks[TASKS[0]].test, tasks[TASKS[0]])

@@ -195,12 +195,17 @@ class ContinualGrafter:
     # ------------------------------------------------------------------------------------------ values
     def _pretrained_values(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """theta_pre of tensor ``name`` at flat ``indices``: the model's values, with trained entries restored."""
-        values = self._params[name].detach().reshape(-1)[indices.to(self._params[name].device)].cpu().clone()
+        values = self._values_at(name, indices)
         for task in self._tasks_and_running():
             if name in task.trained:
                 hit = torch.isin(indices, task.trained[name])
                 values[hit] = task.pretrained[name][torch.searchsorted(task.trained[name], indices[hit])]
         return values
+
+    def _values_at(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """The model's current values of tensor ``name`` at flat ``indices``, as a CPU copy."""
+        param = self._params[name]
+        return param.detach().reshape(-1)[indices.to(param.device)].cpu()
 
     def _tasks_and_running(self) -> list[ContinualTask]:
         return self.tasks + ([self._running["task"]] if self._running else [])
@@ -273,8 +278,7 @@ class ContinualGrafter:
             )
         if not trained.num_entries:
             logger.warning("Task %r: its region lies inside earlier tasks' regions; only its head is trained.", name)
-        pretrained = {n: self._params[n].detach().reshape(-1)[idx.to(self._params[n].device)].cpu().clone()
-                      for n, idx in trained.items()}  # fmt: skip
+        pretrained = {n: self._values_at(n, idx) for n, idx in trained.items()}
         task = ContinualTask(name, len(self.tasks) + 1, region, trained, {}, pretrained, {})
         head_before = self._head_state()
         self._load_head(self.pretrained_head if head is None else head, f"Task {name!r}'s head")
@@ -290,7 +294,7 @@ class ContinualGrafter:
         task = self._running["task"]
         for earlier in self.tasks:
             for name, indices in earlier.trained.items():
-                now = self._params[name].detach().reshape(-1)[indices.to(self._params[name].device)].cpu()
+                now = self._values_at(name, indices)
                 if not torch.equal(now, earlier.values[name].to(now.dtype)):
                     raise ValueError(
                         f"Task {task.name!r} changed entries of earlier task {earlier.name!r} in {name!r}: train under "
@@ -302,8 +306,7 @@ class ContinualGrafter:
                 f"Task {task.name!r} changed entries outside the region start_task returned: train under it "
                 "(RestrictTrainingCallback(allowed=...) or restrict_training). abort_task() rolls the model back."
             )
-        task.values = {n: self._params[n].detach().reshape(-1)[idx.to(self._params[n].device)].cpu().clone()
-                       for n, idx in task.trained.items()}  # fmt: skip
+        task.values = {n: self._values_at(n, idx) for n, idx in task.trained.items()}
         task.head = self._head_state()
         self.tasks.append(task)
         self._running = None

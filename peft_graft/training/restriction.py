@@ -93,6 +93,9 @@ class TrainingRestriction:
                 )
         self.restricted: list[_Restricted] = []
         self._hooks = []
+        self._regrouped: torch.optim.Optimizer | None = None  # set by _decay_by_hand until after_step undoes it
+        self._groups_before: list[tuple[dict, list]] = []
+        self._grads_before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for key, param in params.items():
             if not param.requires_grad:
                 continue
@@ -177,18 +180,17 @@ class TrainingRestriction:
             group["params"] = [p for p in group["params"] if id(p) not in by_param]
             extra.append({**group, "params": mine, "weight_decay": 0.0})
         optimizer.param_groups.extend(extra)
-        self._optimizer = optimizer
+        self._regrouped = optimizer
 
     def after_step(self) -> None:
         """Right after ``optimizer.step()``: write the copied values back, bit for bit."""
-        optimizer = getattr(self, "_optimizer", None)
-        if optimizer is not None:  # undo _decay_by_hand's regrouping and gradient changes
-            optimizer.param_groups[:] = [group for group, _ in self._groups_before]
+        if self._regrouped is not None:  # undo _decay_by_hand's regrouping and gradient changes
+            self._regrouped.param_groups[:] = [group for group, _ in self._groups_before]
             for group, params in self._groups_before:
                 group["params"] = params
             for grad, idx, values in self._grads_before:
                 grad[idx] = values
-            self._optimizer = None
+            self._regrouped, self._groups_before, self._grads_before = None, [], []
         with torch.no_grad():
             for entry in self.restricted:
                 if entry.saved is None:
