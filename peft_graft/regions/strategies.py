@@ -32,7 +32,9 @@ class RegionRequest:
     """What a region strategy is given.
 
     Attributes:
-        movement: ``theta_ft - theta_pre`` (fp32) of every eligible tensor, by parameter name.
+        movement: ``theta_ft - theta_pre`` (fp32) of every eligible tensor, by parameter name: a mapping that computes
+            each tensor when it is read (:class:`peft_graft.scores.movement.Movement`), so read it tensor by tensor
+            rather than keeping them all. Sizes: :meth:`numel`.
         budget: ``budget(n)`` is the number of entries to choose among ``n`` eligible ones (``GraftConfig.sparsity``
             or ``num_entries``); it raises a clear error when the budget cannot be met.
         layout: Where each parameter tensor of the pre-trained model lives (see :mod:`peft_graft.parameter_layout`).
@@ -51,7 +53,11 @@ class RegionRequest:
     @property
     def num_eligible(self) -> int:
         """Number of eligible entries."""
-        return sum(d.numel() for d in self.movement.values())
+        return sum(self.numel(name) for name in self.movement)
+
+    def numel(self, name: str) -> int:
+        """Number of entries of tensor ``name`` (without computing its movement)."""
+        return self.layout.tensors[name].parameter.numel()
 
     def pretrained(self, name: str) -> torch.Tensor:
         """theta_pre of tensor ``name``."""
@@ -114,10 +120,8 @@ def choose_region(name: str, request: RegionRequest) -> Region:
                 f"Region strategy {name!r} chose entries of {tensor!r}, which is not an eligible tensor that "
                 "fine-tuning moved."
             )
-        if int(indices.max()) >= request.movement[tensor].numel():
-            raise ValueError(
-                f"Region strategy {name!r} indexes {tensor!r} beyond its {request.movement[tensor].numel()} entries."
-            )
+        if int(indices.max()) >= request.numel(tensor):
+            raise ValueError(f"Region strategy {name!r} indexes {tensor!r} beyond its {request.numel(tensor)} entries.")
     return region
 
 
@@ -130,14 +134,14 @@ def movement_region(request: RegionRequest) -> Region:
 @register_region_strategy("random")
 def random_entries(request: RegionRequest) -> Region:
     """k eligible entries drawn uniformly at random (seeded by ``GraftConfig.seed``)."""
-    sizes = {name: delta.numel() for name, delta in request.movement.items()}
+    sizes = {name: request.numel(name) for name in request.movement}
     return random_region(sizes, request.budget(request.num_eligible), request.seed)
 
 
 @register_region_strategy("bias")
 def bias_region(request: RegionRequest) -> Region:
     """The top-k movement entries among biases only (paper Figure 4a)."""
-    biases = {n: d for n, d in request.movement.items() if request.layout.tensors[n].attr == "bias"}
+    biases = {n: request.movement[n] for n in request.movement if request.layout.tensors[n].attr == "bias"}
     if not biases:
         raise ValueError('region="bias" but no eligible bias moved during fine-tuning.')
     return top_k_movement(biases, request.budget(sum(d.numel() for d in biases.values())))

@@ -6,22 +6,34 @@ stores on its region.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
-from ..parameter_layout import Layout
+from ..parameter_layout import Layout, peft_free_name
+from .checkpoint import StreamedCheckpoint, safetensors_files
 
 
 def load_finetuned(source: object, base_model: nn.Module) -> Mapping[str, torch.Tensor]:
-    """theta_ft as a state dict, from a model object, a local path or Hub id, or a state dict."""
+    """theta_ft as a mapping of tensors by parameter name: a model object's state dict, a state dict as given, or,
+    for a path or Hub id of safetensors files (one file or sharded), a :class:`StreamedCheckpoint` that reads one
+    tensor at a time from one open shard. Other checkpoints (e.g. ``pytorch_model.bin`` only) are loaded whole with
+    ``from_pretrained``."""
     if isinstance(source, nn.Module):
-        _check_architecture(source, base_model)
+        _check_model_type(getattr(getattr(source, "config", None), "model_type", None), base_model)
         return source.state_dict()
     if isinstance(source, (str, os.PathLike)):
+        found = safetensors_files(_local_checkpoint(source))
+        if found is not None:
+            checkpoint = StreamedCheckpoint(*found)
+            _check_model_type(_saved_model_type(found[0][0].parent), base_model)
+            names = {peft_free_name(n) for n, _ in base_model.named_parameters(remove_duplicate=False)}
+            checkpoint.align_prefix(names, getattr(base_model, "base_model_prefix", ""))
+            return checkpoint
         model_cls = type(base_model)
         if not hasattr(model_cls, "from_pretrained"):
             raise TypeError(
@@ -32,7 +44,7 @@ def load_finetuned(source: object, base_model: nn.Module) -> Mapping[str, torch.
             finetuned = model_cls.from_pretrained(os.fspath(source), dtype=torch.float32)
         except OSError as error:
             raise ValueError(f"Cannot load the fine-tuned model finetuned={source!r}: {error}") from error
-        _check_architecture(finetuned, base_model)
+        _check_model_type(finetuned.config.model_type, base_model)
         return finetuned.state_dict()
     if isinstance(source, Mapping):
         return source
@@ -42,9 +54,33 @@ def load_finetuned(source: object, base_model: nn.Module) -> Mapping[str, torch.
     )
 
 
-def _check_architecture(finetuned: nn.Module, base_model: nn.Module) -> None:
+def _local_checkpoint(source: str | os.PathLike) -> str | os.PathLike:
+    """A local path as it is; a Hub id as the local snapshot of its safetensors files (downloaded if needed), or as it
+    is when that fails (``from_pretrained`` then says why)."""
+    if os.path.exists(source):
+        return source
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.safetensors", "model.safetensors.index.json", "config.json"]
+        return snapshot_download(os.fspath(source), allow_patterns=patterns)
+    except Exception:  # not a Hub id, offline, gated: from_pretrained reports it
+        return source
+
+
+def _saved_model_type(folder: os.PathLike) -> str | None:
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config) as file:
+            return json.load(file).get("model_type")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _check_model_type(ft_type: str | None, base_model: nn.Module) -> None:
     base_type = getattr(getattr(base_model, "config", None), "model_type", None)
-    ft_type = getattr(getattr(finetuned, "config", None), "model_type", None)
     if base_type and ft_type and base_type != ft_type:
         raise ValueError(
             f"finetuned is a {ft_type!r} model but the pre-trained model is {base_type!r}: a graft needs theta_ft "
@@ -109,22 +145,60 @@ def finetuned_tensor(state: Mapping[str, torch.Tensor], layout: Layout, name: st
 
 def compute_movement(
     state: Mapping[str, torch.Tensor], layout: Layout, names: list[str], only_moved: bool
-) -> dict[str, torch.Tensor]:
+) -> Mapping[str, torch.Tensor]:
     """``theta_ft - theta_pre`` in fp32 for each tensor in ``names`` (see :func:`exact_movement`)."""
     return exact_movement(state, layout, names, only_moved)[0]
 
 
+class Movement(Mapping[str, torch.Tensor]):
+    """``theta_ft - theta_pre`` (fp32, :func:`exact_delta`) of each tensor in ``names``, computed when looked up.
+
+    Only the tensor looked up last is kept, so a pass over the mapping holds one tensor of theta_ft and its movement
+    at a time, never a copy of the model; read in parameter order, a :class:`StreamedCheckpoint` opens each shard
+    once per pass. Sizes come from theta_pre (:meth:`numel`) without computing anything.
+    """
+
+    def __init__(self, state: Mapping[str, torch.Tensor], layout: Layout, names: list[str]) -> None:
+        self._state, self._layout, self._names = state, layout, list(names)
+        self._known = set(self._names)
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        if self._last is None or self._last[0] != name:
+            self._last = None  # free the previous tensor before computing the next
+            pre = self._layout.tensors[name].parameter.detach()
+            self._last = (name, exact_delta(pre, finetuned_tensor(self._state, self._layout, name).to(pre.device))[0])
+        return self._last[1]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def numel(self, name: str) -> int:
+        """Number of entries of tensor ``name``."""
+        return self._layout.tensors[name].parameter.numel()
+
+
 def exact_movement(
     state: Mapping[str, torch.Tensor], layout: Layout, names: list[str], only_moved: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[Movement, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The movement ``theta_ft - theta_pre`` (fp32) of each tensor in ``names``, and what no fp32 delta reproduces.
 
-    Each delta is that of :func:`exact_delta`: ``(theta_pre.float() + delta).to(dtype)`` is ``theta_ft`` bit for bit
-    wherever an fp32 delta can give it. The second dict holds, per tensor, the sorted flat indices where none can
-    (typically entries that fine-tuning shrank towards 0, whose delta is far larger than their value) and theta_ft
-    there as fp32. Unmoved tensors are dropped if ``only_moved``.
+    One pass over the tensors checks theta_ft (finite), finds which tensors moved and the entries no fp32 delta
+    reproduces; the movement itself is a :class:`Movement`, computed again when read. Each delta is that of
+    :func:`exact_delta`: ``(theta_pre.float() + delta).to(dtype)`` is ``theta_ft`` bit for bit wherever an fp32 delta
+    can give it. The second dict holds, per tensor, the sorted flat indices where none can (typically entries that
+    fine-tuning shrank towards 0, whose delta is far larger than their value) and theta_ft there as fp32. Unmoved
+    tensors are dropped if ``only_moved``.
     """
-    movement, unreachable = {}, {}
+    kept, unreachable = [], {}
     for name in names:
         pre = layout.tensors[name].parameter.detach()
         finetuned = finetuned_tensor(state, layout, name).detach().to(pre.device)
@@ -133,13 +207,17 @@ def exact_movement(
         if not (torch.isfinite(low) and torch.isfinite(high)):
             bad = (~torch.isfinite(delta)).sum().item()
             raise ValueError(f"theta_ft - theta_pre has {bad} NaN or inf entries in tensor {name!r}.")
+        del delta
         if only_moved and low == 0 and high == 0 and not missed.any():
             continue
-        movement[name] = delta
+        kept.append(name)
         if missed.any():
             flat = missed.reshape(-1).nonzero().reshape(-1)
             unreachable[name] = (flat, finetuned.to(pre.dtype).reshape(-1)[flat].float())
-    return movement, unreachable
+    return Movement(state, layout, kept), unreachable
+
+
+_CHUNK = 1 << 20  # entries per piece of exact_delta: its temporaries stay a few MB whatever the tensor's size
 
 
 def exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +227,19 @@ def exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> tuple[torch.Tenso
     ``finetuned - pre`` rounded to fp32 almost always works; a miss of the sum's rounding is repaired by stepping ``d``
     an ulp towards the target. No fp32 ``d`` exists where ``|d|`` is so much larger than the target that fp32 steps of
     ``d`` are coarser than the target's own: e.g. a weight that fine-tuning shrank to a thousandth of its value.
+    Computed in pieces of a few million entries, so the only tensor-sized memory is the result.
     """
+    delta = torch.empty(pre.shape, dtype=torch.float32, device=pre.device)
+    wrong = torch.empty(pre.shape, dtype=torch.bool, device=pre.device)
+    flat_pre, flat_ft = pre.detach().reshape(-1), finetuned.detach().reshape(-1)
+    flat_delta, flat_wrong = delta.view(-1), wrong.view(-1)
+    for start in range(0, flat_pre.numel(), _CHUNK):
+        piece = slice(start, start + _CHUNK)
+        flat_delta[piece], flat_wrong[piece] = _exact_delta(flat_pre[piece], flat_ft[piece])
+    return delta, wrong
+
+
+def _exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     target = finetuned.to(pre.dtype)
     base = pre.float()
     rounded = delta = finetuned.float() - base

@@ -22,7 +22,9 @@ class GraftConfig(PeftConfig):
 
     Args:
         finetuned: The fine-tuned model theta_ft: a model object, a local path or Hub id, or a state dict. Only used
-            when the graft is created (it is read once to form ``theta_ft - theta_pre``) and never saved.
+            when the graft is created and never saved. A path or Hub id of safetensors files (one file or sharded) is
+            streamed: one shard open at a time and one tensor read at a time, so creating the graft holds the
+            pre-trained model plus one shard, never a second model.
         given_region: For ``region="given"``: a dict of boolean masks keyed by parameter name, a
             :class:`~peft_graft.Region`, or the path of a saved graft. Runtime only, never saved.
         region_scores: For ``region="fisher"``: per-parameter scores (tensors of the parameters' shapes, by parameter

@@ -8,6 +8,7 @@ or the saved per-module entry counts for a loaded one.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, Layout, peft_free_name
 from ..regions import Region, RegionRequest, choose_region, top_k_movement
+from ..scores.checkpoint import StreamedCheckpoint
 from ..scores.movement import eligible_tensors, exact_movement, finetuned_tensor, is_saved_whole, load_finetuned
 from .config import GraftConfig
 
@@ -112,8 +114,9 @@ def _wrapped_whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plan_dense_learning(plan: Plan, movement: dict[str, torch.Tensor]) -> None:
-    """The paper's search space: S over every entry of each module holding a moved tensor."""
+def _plan_dense_learning(plan: Plan, movement: Mapping[str, torch.Tensor]) -> None:
+    """The paper's search space: S over every entry of each module holding a moved tensor (the movement of every
+    eligible tensor is kept: a full fp32 copy, which the search space avoids)."""
     layout = plan.layout
     for module in {layout.tensors[name].module for name in movement}:
         flat = [
@@ -125,24 +128,20 @@ def _plan_dense_learning(plan: Plan, movement: dict[str, torch.Tensor]) -> None:
         plan.regions.setdefault(module, NO_ENTRIES)
 
 
-def _plan_search_space(plan: Plan, config: GraftConfig, movement: dict[str, torch.Tensor], region: Region) -> None:
+def _plan_search_space(plan: Plan, config: GraftConfig, movement: Mapping[str, torch.Tensor], region: Region) -> None:
     """S on the search space only: the top movement entries (``search_fraction``/``search_entries``) plus the region."""
     layout = plan.layout
-    size = config.search_space_size(sum(d.numel() for d in movement.values()))
+    size = config.search_space_size(sum(layout.tensors[name].parameter.numel() for name in movement))
     chosen = top_k_movement(movement, size) | region
+    values = {name: movement[name].reshape(-1)[chosen[name]].float() for name in movement if name in chosen}
     for module in sorted({layout.tensors[name].module for name in chosen}):
         space = layout.index_space(module)
-        indices, values = [], []
-        for attr in layout.stored[module]:
-            name = layout.by_site[(module, attr)].name
-            if name in chosen:
-                local = chosen[name]
-                indices.append(local + space.start(attr))
-                values.append(movement[name].reshape(-1)[local].float())
-        search = torch.cat(indices)  # sorted: tensors in offset order, each Region entry sorted
+        names = [layout.by_site[(module, attr)].name for attr in layout.stored[module]]
+        names = [name for name in names if name in chosen]
+        search = torch.cat([chosen[n] + space.start(layout.tensors[n].attr) for n in names])  # sorted: offset order
         base = plan.regions.get(module, NO_ENTRIES)[0]
         plan.learning[module] = LearningPlan(
-            torch.cat(values),
+            torch.cat([values[n] for n in names]),
             torch.searchsorted(search, base.to(torch.int64)),
             search,
             plan.unreachable.get(module, NO_ENTRIES),
@@ -173,11 +172,7 @@ def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:
     known = {alias for info in layout.tensors.values() for alias in info.aliases}
     known |= set(model.state_dict())
     known |= {peft_free_name(name) for name in known}
-    unknown = sorted(
-        name
-        for name, tensor in state.items()
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and peft_free_name(name) not in known
-    )
+    unknown = sorted(name for name in state if peft_free_name(name) not in known and _is_floating_tensor(state, name))
     if unknown:
         warnings.warn(
             f"The fine-tuned model holds {len(unknown)} tensors the pre-trained model lacks (e.g. {unknown[:3]}); they "
@@ -185,3 +180,11 @@ def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:
             UserWarning,
             stacklevel=4,
         )
+
+
+def _is_floating_tensor(state: Mapping[str, torch.Tensor], name: str) -> bool:
+    """Whether ``state[name]`` is a floating-point tensor, read from the file header for a streamed checkpoint."""
+    if isinstance(state, StreamedCheckpoint):
+        return state.is_floating_point(name)
+    tensor = state[name]
+    return torch.is_tensor(tensor) and tensor.is_floating_point()
