@@ -202,6 +202,52 @@ def test_embedding_lookups_graft_only_the_rows_a_batch_uses(arch, search_fractio
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["roberta_cls", "llama", "bert_cls"])
+def test_linear_layers_learn_a_search_space_with_sparse_products(arch, dtype, monkeypatch):
+    """``SparseLinearDelta`` (weights and biases, gamma_base flips, a tied LM head) gives the values and gradients of
+    the dense soft weights, and the linear layers never build a soft copy of their weight."""
+    pre, finetuned, task_type = make_pair(arch)
+    pre, finetuned = pre.to(dtype), finetuned.to(dtype)
+    search = {"num_entries": 300, "learn_region": True, "search_fraction": 0.3, "task_type": task_type}
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, **search)).eval()
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, GraftLayer) and layer.is_learning("default"):
+                learner = layer.learner("default")
+                learner.scores.copy_(torch.randn(learner.scores.shape, generator=generator))
+    ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
+    labels = torch.tensor([0, 1]) if arch.endswith("_cls") else ids
+    calls, copies = [], []
+    apply, search = autograd.SparseLinearDelta.apply, autograd.GraftedSearchSpace.apply
+    monkeypatch.setattr(autograd.SparseLinearDelta, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
+    monkeypatch.setattr(autograd.GraftedSearchSpace, "apply", lambda *a: copies.append(a[-1].shape) or search(*a))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "graft_learning" in n and p.grad is not None}
+        return out.logits.detach().float(), grads
+
+    logits, grads = run()
+    assert calls and any(p.bias_slice for p in calls) == (arch != "llama")
+    assert all(len(shape) == 1 for shape in copies)  # only LayerNorm/RMSNorm vectors are still copied whole
+    monkeypatch.setattr(graft_layer, "GRAFT_SPARSE_LINEAR", False)
+    reference_logits, reference = run()
+    assert grads.keys() == reference.keys() and grads
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-5)
+        for name in grads:
+            torch.testing.assert_close(grads[name], reference[name], rtol=1e-4, atol=1e-9)
+    else:  # bf16: the copy path rounds theta_pre + gamma * delta to bf16, the sparse path adds it in fp32
+        torch.testing.assert_close(logits, reference_logits, rtol=0.05, atol=0.05)
+        for name in grads:
+            cosine = torch.nn.functional.cosine_similarity(grads[name].flatten(), reference[name].flatten(), dim=0)
+            assert cosine > 0.98, (name, float(cosine))
+
+
 def test_gradient_accumulation_gives_the_full_batch_step(tmp_path):
     data = cls_dataset(16)
     results = []

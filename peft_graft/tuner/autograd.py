@@ -238,3 +238,93 @@ class RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
                 return rebuild()[attr].as_strided(size, stride, offset)
 
         super().__init__(pack, unpack)
+
+
+class LinearPattern:
+    """Where a search space falls in a linear layer's weight (``[out, in]``) and bias, as sparse CSR patterns.
+
+    ``weight``/``bias``: ``(a, b, local flat indices)`` of the search-space slice in each tensor, or ``None``. Kept per
+    learner: the search space does not change while S is learned.
+    """
+
+    def __init__(self, weight, bias, out_features: int, in_features: int) -> None:
+        self.shape = (out_features, in_features)
+        self.weight_slice = self.bias_slice = None
+        if weight is not None:
+            a, b, local = weight
+            self.weight_slice = (a, b)
+            rows, cols = local // in_features, local % in_features  # local is sorted: CSR (row-major) order
+            self.crow = _compressed(rows, out_features)
+            self.col = cols
+            self.order_t = torch.argsort(cols * out_features + rows)  # the transposed pattern's order
+            self.crow_t = _compressed(cols, in_features)
+            self.col_t = rows[self.order_t]
+        if bias is not None:
+            a, b, local = bias
+            self.bias_slice, self.bias_index = (a, b), local
+
+    def weight(self, values: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """The sparse ``dW`` (or ``dW.T``) with ``values`` in search-space order."""
+        if transposed:
+            shape = self.shape[::-1]
+            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.order_t], shape, check_invariants=False)
+        return torch.sparse_csr_tensor(self.crow, self.col, values, self.shape, check_invariants=False)
+
+
+def _compressed(rows: torch.Tensor, size: int) -> torch.Tensor:
+    crow = torch.zeros(size + 1, dtype=torch.int64, device=rows.device)
+    crow[1:] = torch.bincount(rows, minlength=size).cumsum(0)
+    return crow
+
+
+class SparseLinearDelta(torch.autograd.Function):
+    """``x @ dW.T + db`` with ``dW``, ``db`` = ``gamma(S) * delta`` on a search space: what a linear layer's output
+    gains from its soft parameters, so that ``F.linear(x, theta_pre) + this`` is its soft forward.
+
+    Sparse products (CSR): no dense copy of the weight in forward, and in backward the gradient of S comes from a
+    sampled product at the search space (``sampled_addmm``), never from the dense weight gradient. Computed in fp32;
+    ``x``'s gradient gets ``g @ dW``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, scores, movement, base, pattern: LinearPattern):
+        ctx.save_for_backward(x, scores, movement, base)
+        ctx.pattern = pattern
+        values = torch.sigmoid(scores.detach())
+        if base.numel():
+            values[base] = 1.0 - values[base]
+        values.mul_(movement)
+        ctx.values = values
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()
+        out = torch.zeros(x2.shape[0], pattern.shape[0], dtype=torch.float32, device=x.device)
+        if pattern.weight_slice is not None:
+            a, b = pattern.weight_slice
+            out += torch.sparse.mm(pattern.weight(values[a:b]), x2.t()).t()
+        if pattern.bias_slice is not None:
+            a, b = pattern.bias_slice
+            out.index_add_(1, pattern.bias_index, values[a:b].expand(out.shape[0], -1))
+        return out.to(x.dtype).reshape(*x.shape[:-1], pattern.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, scores, movement, base = ctx.saved_tensors
+        pattern, values = ctx.pattern, ctx.values
+        g2 = grad_out.reshape(-1, pattern.shape[0]).float()
+        grad_values = torch.zeros_like(scores)
+        grad_x = None
+        if pattern.weight_slice is not None:
+            a, b = pattern.weight_slice
+            x2 = x.detach().reshape(-1, x.shape[-1]).float()
+            zeros = pattern.weight(torch.zeros(b - a, dtype=torch.float32, device=g2.device))
+            grad_values[a:b] = torch.sparse.sampled_addmm(zeros, g2.t().contiguous(), x2, beta=0.0).values()
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.sparse.mm(pattern.weight(values[a:b], transposed=True), g2.t()).t()
+                grad_x = grad_x.to(x.dtype).reshape(x.shape)
+        if pattern.bias_slice is not None:
+            a, b = pattern.bias_slice
+            grad_values[a:b] = g2.index_select(1, pattern.bias_index).sum(0)
+        grad_values.mul_(movement)
+        grad = torch.ops.aten.sigmoid_backward(grad_values, torch.sigmoid(scores.detach()))
+        if base.numel():
+            grad[base] = -grad[base]
+        return grad_x, grad, None, None, None

@@ -17,10 +17,11 @@ from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from .autograd import RecomputeSoftParameters
 from .learning import RegionLearner
 
-# Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows and the
-# in-place inference forward (GraftLayer._forward_in_place).
+# Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
+# autograd.SparseLinearDelta and the in-place inference forward (GraftLayer._forward_in_place).
 RECOMPUTE_SOFT_PARAMETERS = True
 GRAFT_EMBEDDING_ROWS = True
+GRAFT_SPARSE_LINEAR = True
 GRAFT_IN_PLACE_INFERENCE = True
 
 
@@ -370,7 +371,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 if contribution is None:
                     continue
                 flat = value.reshape(-1)
-                grafted = graft_entries(flat, contribution, value is param, layer.get_scale(adapter_name))
+                current = flat.index_select(0, contribution[0])
+                grafted = graft_entries(current, contribution, value is param, layer.get_scale(adapter_name))
                 value = flat.index_put((contribution[0],), grafted).view_as(param)
                 recipe = None
             if value is not param:
@@ -390,6 +392,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         row_adapter = self._row_learning_adapter()
         if row_adapter is not None:
             return self._embedding_rows_forward(row_adapter, *args, **kwargs)
+        linear_source = self._sparse_linear_source()
+        if linear_source is not None:
+            return self._sparse_linear_forward(*linear_source, *args, **kwargs)
         if GRAFT_IN_PLACE_INFERENCE and not torch.is_grad_enabled() and not sharded and self._hard_sources():
             return self._forward_in_place(args, kwargs)
         recipes: dict[str, tuple[Any, str]] = {}
@@ -439,14 +444,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             for attr, contribution, scale in plan:
                 flat = getattr(self.base_layer, attr).data.view(-1)
                 indices = contribution[0]
-                grafted = graft_entries(flat, contribution, attr not in written, scale)
-                saved.append((flat, indices, flat[indices]))
-                flat[indices] = grafted
+                original = flat.index_select(0, indices)  # index_select/index_copy_: cheaper than [] on CPU
+                grafted = graft_entries(original, contribution, attr not in written, scale)
+                saved.append((flat, indices, original))
+                flat.index_copy_(0, indices, grafted)
                 written.add(attr)
             return self.base_layer(*args, **kwargs)
         finally:
             for flat, indices, original in reversed(saved):
-                flat[indices] = original
+                flat.index_copy_(0, indices, original)
 
     def _row_learning_adapter(self) -> str | None:
         """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
@@ -461,6 +467,33 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         adapter_name = self.active_adapters[0]
         learner = self.learner(adapter_name)
         return adapter_name if learner is not None and learner.hard is None else None
+
+    def _sparse_linear_source(self) -> tuple[GraftLayer, str] | None:
+        """``(source layer, adapter)`` while a plain, frozen ``nn.Linear`` learns a search space (its only active
+        adapter, on one source layer): then its soft forward is the base forward plus ``SparseLinearDelta``, with no
+        dense copy of the weight and no dense weight gradient."""
+        base = self.base_layer
+        if not GRAFT_SPARSE_LINEAR or not torch.is_grad_enabled() or type(base).forward is not nn.Linear.forward:
+            return None
+        if len(self.active_adapters) != 1 or any(p.requires_grad for p in base.parameters(recurse=False)):
+            return None
+        sources = self._sources()
+        layers = {id(layer) for layer, _ in sources.values()}
+        if len(layers) != 1:
+            return None
+        layer = next(iter(sources.values()))[0]
+        learner = layer.learner(self.active_adapters[0])
+        if learner is None or learner.hard is not None or learner.is_dense:
+            return None
+        return layer, self.active_adapters[0]
+
+    def _sparse_linear_forward(self, layer: GraftLayer, adapter_name: str, input: torch.Tensor) -> torch.Tensor:
+        sources = self._sources()
+        attrs = tuple(sources[attr][1] if attr in sources else None for attr in ("weight", "bias"))
+        base = self.base_layer
+        out = base(input)
+        delta = layer.graft_learning[adapter_name].linear_delta(input, attrs, (base.out_features, base.in_features))
+        return out if delta is None else out + delta
 
     def _embedding_rows_forward(self, adapter_name: str, input: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
@@ -497,9 +530,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 continue
             indices = entries[0]
             flat = getattr(self.base_layer, attr).data.view(-1)
-            original = flat[indices].clone()
+            original = flat.index_select(0, indices)
             with torch.no_grad():
-                merged = graft_entries(flat, entries, first, self.get_scale(adapter_name))
+                merged = graft_entries(original, entries, first, self.get_scale(adapter_name))
             if check_finite and not torch.isfinite(merged).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter_name} seems to be broken")
             out.append((indices, original, merged))
@@ -571,25 +604,26 @@ def _entries_of(
     return None
 
 
-def graft_entries(flat: torch.Tensor, entries: SparseEntries, first: bool, scale: float = 1.0) -> torch.Tensor:
-    """The values of ``flat`` at the entries once grafted, in its dtype: ``(flat.float() + delta).to(dtype)``, and
-    theta_ft itself at the exact entries when this is the first adapter applied to ``flat`` (still theta_pre there).
+def graft_entries(current: torch.Tensor, entries: SparseEntries, first: bool, scale: float = 1.0) -> torch.Tensor:
+    """The values at the entries once grafted, from ``current`` (a tensor's values there), in its dtype:
+    ``(current.float() + delta).to(dtype)``, and theta_ft itself at the exact entries when this is the first adapter
+    applied to the tensor (still theta_pre there).
 
-    With ``scale`` a != 1: ``flat.float() + a * delta``, and ``theta_pre + a * (theta_ft - theta_pre)`` (fp32) at the
-    exact entries. ``a == 1`` takes the unscaled path, so that it stays bit-exact."""
-    indices, values, (positions, targets) = entries
+    With ``scale`` a != 1: ``current.float() + a * delta``, and ``theta_pre + a * (theta_ft - theta_pre)`` (fp32) at
+    the exact entries. ``a == 1`` takes the unscaled path, so that it stays bit-exact."""
+    _, values, (positions, targets) = entries
     if scale == 1.0:
-        grafted = flat[indices].float() + values
+        grafted = current.float() + values
         if first and positions.numel():
             grafted = grafted.index_put((positions.to(grafted.device),), targets.to(grafted.device))
-        return grafted.to(flat.dtype)
-    base = flat[indices].float()
+        return grafted.to(current.dtype)
+    base = current.float()
     grafted = base + scale * values
     if first and positions.numel():
         positions = positions.to(device=grafted.device, dtype=torch.int64)
         pre = base[positions]
         grafted = grafted.index_put((positions,), pre + scale * (targets.to(grafted.device) - pre))
-    return grafted.to(flat.dtype)
+    return grafted.to(current.dtype)
 
 
 def check_scale(scale: object, name: str = "scale") -> float:

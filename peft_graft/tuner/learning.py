@@ -14,7 +14,7 @@ from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from ..regions import global_top_k
-from .autograd import BufferPool, GraftedRows, GraftedSearchSpace, GraftedTensors
+from .autograd import BufferPool, GraftedRows, GraftedSearchSpace, GraftedTensors, LinearPattern, SparseLinearDelta
 
 
 class RegionLearner(nn.Module):
@@ -71,6 +71,7 @@ class RegionLearner(nn.Module):
         self.hard: tuple[torch.Tensor, torch.Tensor] | None = None
         self._parts: list[tuple[str, tuple[int, int, torch.Tensor]]] | None = None
         self._pool = BufferPool()  # reused outputs of GraftedSearchSpace
+        self._linear_patterns: dict[tuple, LinearPattern] = {}  # see linear_delta
 
     @property
     def is_dense(self) -> bool:
@@ -133,6 +134,24 @@ class RegionLearner(nn.Module):
         offsets = [int(o) for o in self.space.offsets]
         outputs = GraftedTensors.apply(scores, movement, self.base_region, offsets, recomputing, *thetas)
         return dict(zip(self.space.attrs, outputs, strict=True))
+
+    def linear_delta(
+        self, x: torch.Tensor, attrs: tuple[str | None, str | None], shape: tuple[int, int]
+    ) -> torch.Tensor | None:
+        """What the search space adds to a linear layer's output, ``x @ dW.T + db``, differentiable in S and ``x``
+        (see ``SparseLinearDelta``); ``attrs``: the tensors of this learner's layer that the linear layer uses as its
+        weight and bias (``None``: not grafted); ``shape``: ``(out_features, in_features)``. ``None`` when the search
+        space has no entry in them."""
+        key = (attrs, shape, x.device)
+        pattern = self._linear_patterns.get(key)
+        if pattern is None:
+            parts = dict(self._search_parts(x.device))
+            weight, bias = (parts.get(attr) if attr else None for attr in attrs)
+            pattern = self._linear_patterns[key] = LinearPattern(weight, bias, *shape)
+        if pattern.weight_slice is None and pattern.bias_slice is None:
+            return None
+        base = self.base_region.to(x.device)
+        return SparseLinearDelta.apply(x, self.scores, self._movement(), base, pattern)
 
     def soft_rows(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (sorted, unique) of an embedding's soft matrix, differentiable in S (see ``GraftedRows``)."""
