@@ -12,7 +12,8 @@ model, the grafts and the report on through folders, as the separate commands of
 
     python examples/run_pipeline.py                  # default, under 15 minutes on 2 CPU cores
     python examples/run_pipeline.py --paper_size     # appendix A.2 sizes: k=512, 16 x n x k steps, full-batch masks
-    python examples/run_pipeline.py --causal_smoke   # SmolLM2-135M (GGUF) prompt-based causal LM, a few steps
+    python examples/run_pipeline.py --causal         # SmolLM2-135M (GGUF) prompt-based causal LM, under 30 minutes
+    python examples/run_pipeline.py --causal_smoke   # the same path, a few steps
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ DEFAULT = dict(k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-
 # Appendix A.2: k = 512 per class, 16 x n x k steps, mask training on the whole (1,024-example) set.
 PAPER = dict(k_shot=512, max_seq_length=128, ft_steps=None, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=1024,
              test_size=2000, dev_size=1000, sweep_samples=2000)  # fmt: skip
+# SmolLM2-135M-Instruct scoring " negative"/" positive" after "Review: {sentence} Sentiment:", sized for under 30
+# minutes on 2 CPU cores: k = 16 per class (LM-BFF's few-shot size), 24 SGD steps at batch 8 (6 epochs; lr 1e-2, the
+# top of the paper's prompt grid), 48 tokens (the whole prompt for about 94% of MR sentences), grafts of 0.01% and
+# 0.1% with 20 mask steps at batch 8 (a mask step on 135M parameters costs about two fine-tuning steps), selected on
+# the dev set every 10 steps, 400 MR / 400 Amazon test sentences and 150 dev sentences (selection and temperature
+# scaling). Eight models are evaluated on 950 sentences each (fine-tuned, 0 entries, learned / top-k / random at both
+# sizes): evaluation is the largest stage.
+CAUSAL = dict(k_shot=16, max_seq_length=48, ft_steps=24, ft_batch=8, ft_lr=1e-2, mask_steps=20, mask_batch=8,
+              test_size=400, dev_size=150, ood_size=400, sweep_samples=400)  # fmt: skip
 SMOKE = dict(
     k_shot=4,
     max_seq_length=32,
@@ -64,6 +74,7 @@ SMOKE = dict(
     mask_batch=8,
     test_size=32,
     dev_size=32,
+    ood_size=32,
     sweep_samples=32,
 )
 
@@ -72,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--paper_size", action="store_true", help="Appendix A.2 sizes (hours on 2 CPU cores).")
+    size.add_argument("--causal", action="store_true", help="SmolLM2-135M causal-LM prompts, under 30 min on 2 cores.")
     size.add_argument("--causal_smoke", action="store_true", help="SmolLM2-135M causal-LM prompt run, a few steps.")
     parser.add_argument("--task", choices=TASKS, default="mr", help="MR sentiment (default), TREC or SMS spam.")
     parser.add_argument("--report_dir", default=None, help="Report folder (default reports/<run name>).")
@@ -83,15 +95,17 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
-    if args.causal_smoke and args.task != "mr":
-        parser.error("--causal_smoke scores the label words of MR sentiment: use it with --task mr.")
+    causal = args.causal or args.causal_smoke
+    if causal and args.task != "mr":
+        flag = "--causal" if args.causal else "--causal_smoke"
+        parser.error(f"{flag} scores the label words of MR sentiment: use it with --task mr.")
     run = f"minilm_{args.task}" + ("_paper_size" if args.paper_size else "")
-    run = "smollm2_causal_smoke" if args.causal_smoke else run
-    settings = SMOKE if args.causal_smoke else PAPER if args.paper_size else DEFAULT
+    run = "smollm2_causal_smoke" if args.causal_smoke else "smollm2_mr_causal" if args.causal else run
+    settings = SMOKE if args.causal_smoke else CAUSAL if args.causal else PAPER if args.paper_size else DEFAULT
     settings = {**settings, "k_shot": min(settings["k_shot"], TASK_MAX_K_SHOT.get(args.task, settings["k_shot"]))}
     work = Path(args.work_dir) / run
     report_dir = Path(args.report_dir or f"reports/{run}")
-    ensure_assets({**ASSETS, **(SMOKE_ASSETS if args.causal_smoke else {})})
+    ensure_assets({**ASSETS, **(SMOKE_ASSETS if causal else {})})
     timings["install assets"] = time.perf_counter() - start
 
     # The steps: this orchestrator is the only module that imports the example scripts.
@@ -100,10 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     import run_graft
     import torch
 
-    data = prepare_data(
-        args.task, work / "data", settings["test_size"], settings["dev_size"], 32 if args.causal_smoke else None
-    )
-    if args.causal_smoke:
+    data = prepare_data(args.task, work / "data", settings["test_size"], settings["dev_size"], settings.get("ood_size"))
+    if causal:
         model, model_name = smollm_dir(work), "SmolLM2-135M-Instruct (dequantized Q4_1 GGUF)"
         head = ["--head", "causal_prompt", "--template", "Review: {sentence} Sentiment:",
                 "--label_words", " negative, positive"]  # fmt: skip
@@ -127,13 +139,15 @@ def main(argv: list[str] | None = None) -> dict:
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
     U.run_step(run_finetune, [
         "--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
-        "--per_device_train_batch_size", str(settings["ft_batch"]), "--logging_steps", "50",
+        "--per_device_train_batch_size", str(settings["ft_batch"]),
+        "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
         "--learning_rate", str(settings["ft_lr"]), *common,
     ], logger)  # fmt: skip
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
 
     num_parameters = _num_parameters(model)
-    fractions = GRAFT_FRACTIONS[1:2] if args.causal_smoke else GRAFT_FRACTIONS
+    # The causal run grafts 0.01% and 0.1% (the smoke run 0.01% alone): a mask step on 135M parameters is costly.
+    fractions = GRAFT_FRACTIONS[1:2] if args.causal_smoke else GRAFT_FRACTIONS[1:] if args.causal else GRAFT_FRACTIONS
     graft_dirs = []
     for fraction in sorted(fractions, key=lambda f: f != 1e-4):  # the 0.01% graft first: it is the main one
         out = str(work / f"graft_{fraction:g}")
@@ -144,14 +158,15 @@ def main(argv: list[str] | None = None) -> dict:
             "--validation_dataset", data["dev"], "--validation_split", "train", "--select_on", "validation",
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
-            "--logging_steps", "25",
+            "--logging_steps", str(min(25, max(1, settings["mask_steps"] // 2))),
             "--output_dir", out, *common,
         ], logger)  # fmt: skip
         graft_dirs.append(out)
     timings["graft (mask training)"] = time.perf_counter() - start - sum(timings.values())
     (work / "timings.json").write_text(json.dumps(timings))
 
-    sweep = [str(round(f * num_parameters)) for f in (SWEEP_FRACTIONS if not args.causal_smoke else ())]
+    # No extra sweep sizes on SmolLM2 (each is two more 135M-parameter models to evaluate): its sweep is the grafts.
+    sweep = [str(round(f * num_parameters)) for f in (SWEEP_FRACTIONS if not causal else ())]
     eval_sets = {f"{args.task.upper()} (in-dist)": data["test"]}
     if "ood" in data:
         eval_sets["Amazon (OOD)"] = data["ood"]

@@ -469,11 +469,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return adapter_name if learner is not None and learner.hard is None else None
 
     def _sparse_linear_source(self) -> tuple[GraftLayer, str] | None:
-        """``(source layer, adapter)`` while a plain, frozen ``nn.Linear`` learns a search space (its only active
-        adapter, on one source layer): then its soft forward is the base forward plus ``SparseLinearDelta``, with no
-        dense copy of the weight and no dense weight gradient."""
+        """``(source layer, adapter)`` while a plain, frozen ``nn.Linear`` on the CPU learns a search space (its only
+        active adapter, on one source layer): then its soft forward is the base forward plus ``SparseLinearDelta``,
+        with no dense copy of the weight and no dense weight gradient. On a GPU the dense copy is faster: the sparse
+        products measured 2-10x slower than a whole step on an H200 (BENCHMARKS.md)."""
         base = self.base_layer
         if not GRAFT_SPARSE_LINEAR or not torch.is_grad_enabled() or type(base).forward is not nn.Linear.forward:
+            return None
+        if base.weight.device.type != "cpu":
             return None
         if len(self.active_adapters) != 1 or any(p.requires_grad for p in base.parameters(recurse=False)):
             return None
