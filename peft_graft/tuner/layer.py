@@ -370,9 +370,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 contribution = layer._contribution(adapter_name, source_attr)
                 if contribution is None:
                     continue
-                flat = value.reshape(-1)
-                current = flat.index_select(0, contribution[0])
-                grafted = graft_entries(current, contribution, value is param, layer.get_scale(adapter_name))
+                flat, scale = value.reshape(-1), layer.get_scale(adapter_name)
+                grafted = graft_entries(flat[contribution[0]], contribution, value is param, scale)
                 value = flat.index_put((contribution[0],), grafted).view_as(param)
                 recipe = None
             if value is not param:
@@ -444,15 +443,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             for attr, contribution, scale in plan:
                 flat = getattr(self.base_layer, attr).data.view(-1)
                 indices = contribution[0]
-                original = flat.index_select(0, indices)  # index_select/index_copy_: cheaper than [] on CPU
-                grafted = graft_entries(original, contribution, attr not in written, scale)
+                original = flat[indices]
                 saved.append((flat, indices, original))
-                flat.index_copy_(0, indices, grafted)
+                flat[indices] = graft_entries(original, contribution, attr not in written, scale)
                 written.add(attr)
             return self.base_layer(*args, **kwargs)
         finally:
             for flat, indices, original in reversed(saved):
-                flat.index_copy_(0, indices, original)
+                flat[indices] = original
 
     def _row_learning_adapter(self) -> str | None:
         """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
@@ -471,8 +469,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _sparse_linear_source(self) -> tuple[GraftLayer, str] | None:
         """``(source layer, adapter)`` while a plain, frozen ``nn.Linear`` on the CPU learns a search space (its only
         active adapter, on one source layer): then its soft forward is the base forward plus ``SparseLinearDelta``,
-        with no dense copy of the weight and no dense weight gradient. On a GPU the dense copy is faster: the sparse
-        products measured 2-10x slower than a whole step on an H200 (BENCHMARKS.md)."""
+        with no dense copy of the weight and no dense weight gradient. On a GPU the dense copy is faster: on an H200 a
+        1B mask step took 3.6-10x a plain SGD step with the sparse products, 1.6x with the copy (BENCHMARKS.md)."""
         base = self.base_layer
         if not GRAFT_SPARSE_LINEAR or not torch.is_grad_enabled() or type(base).forward is not nn.Linear.forward:
             return None
@@ -533,7 +531,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 continue
             indices = entries[0]
             flat = getattr(self.base_layer, attr).data.view(-1)
-            original = flat.index_select(0, indices)
+            original = flat[indices]
             with torch.no_grad():
                 merged = graft_entries(original, entries, first, self.get_scale(adapter_name))
             if check_finite and not torch.isfinite(merged).all():

@@ -1,0 +1,98 @@
+"""The mask-step benchmarks on a tiny random Llama: theta_ft's structured perturbation, the rebuilt theta_pre check,
+one variant measured in process, the bytes-per-parameter accounting, and the cost-growth tables and figure."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_cost_growth as G  # noqa: E402
+import bench_mask_step as B  # noqa: E402
+
+TINY = "llama-0.4m"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_theta_ft_is_theta_pre_plus_a_structured_update():
+    pre, ft = B.load_pretrained(TINY), B.load_pretrained(TINY)
+    assert all(torch.equal(a, b) for a, b in zip(pre.parameters(), ft.parameters(), strict=True))  # seeded
+    B.perturb_(ft)
+    for (name, before), after in zip(pre.named_parameters(), ft.parameters(), strict=True):
+        update = (after - before).detach().double()
+        if name.endswith("embed_tokens.weight"):
+            moved_rows = int(update.abs().sum(1).ne(0).sum())
+            assert moved_rows == round(B.EMBEDDING_ROWS * before.shape[0])
+        elif before.ndim == 2:
+            values = torch.linalg.svdvals(update)  # rank RANK up to the fp32 rounding of theta_pre + update
+            assert values[B.RANK - 1] > 0.1 * values[0] and values[B.RANK] < 1e-3 * values[0]
+        else:
+            assert bool(update.ne(0).all())
+        ratio = float(update.pow(2).mean().sqrt() / before.detach().double().pow(2).mean().sqrt())
+        if not name.endswith("embed_tokens.weight"):
+            assert B.RELATIVE_SIZE / 2 * 0.99 <= ratio <= B.RELATIVE_SIZE * 2 * 1.01
+
+
+def test_rebuilt_theta_pre_is_checked_against_the_cache(tmp_path):
+    folder = B.prepare_finetuned(TINY, "float32", str(tmp_path))
+    assert (folder / B.FINGERPRINT_FILE).is_file() and (folder / "config.json").is_file()
+    B.check_pretrained(B.load_pretrained(TINY), folder)
+    other = B.load_pretrained(TINY)
+    B.perturb_(other, seed=5)
+    with pytest.raises(RuntimeError, match="differs"):
+        B.check_pretrained(other, folder)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path):
+    B.prepare_finetuned(TINY, "float32", str(tmp_path))
+    plain = B.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
+    mask = B.run_variant(TINY, "0.01", 1, "cpu", "float32", str(tmp_path))
+    dense = B.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
+    for result in (plain, mask, dense):
+        assert len(result["times_s"]) == 1 and result["peak_gb"] > 0
+    figures = {v: B.bytes_per_parameter(r["state"]) for v, r in (("plain", plain), ("0.01", mask), ("none", dense))}
+    assert figures["plain"] == {"weight_bytes": 4.0, "gradient_share": 1.0, "optimizer_share": 0.0}
+    n = plain["state"]["parameters"]
+    assert mask["state"]["parameters"] == dense["state"]["parameters"] == n
+    # S, its gradient, the movement (fp32) and two int64 indices per candidate; a few gamma_base positions more
+    assert 28 <= figures["0.01"]["bytes_per_candidate"] < 29
+    assert figures["0.01"]["buffer_share"] < 0.01  # CPU: linear layers use sparse products, only norms are copied
+    assert abs(figures["0.01"]["candidate_fraction"] - 0.01) < 0.002
+    assert figures["none"]["dense"] and 12 <= figures["none"]["bytes_per_parameter"] < 12.01
+    lines = "\n".join(B.on_paper(figures, [0.01]))
+    assert "mask, dense S (paper)               14.00" in lines and "7B GiB" in lines and "70B GiB" in lines
+
+
+def test_cost_growth_tables_and_figure(tmp_path):
+    def record(model, parameters, variants):
+        def result(median, peak):
+            return {"median_s": median, "peak_gb": peak, "rss_after_load_gb": 0.5, "creation_peak_gb": 0.7}
+
+        results = {"plain": result(1.0, 1.0)}
+        for i, variant in enumerate(variants):
+            results[variant] = {**result(1.1 + i / 10, 1.1), "ratio": 1.1 + i / 10, "state": {"candidates": 10}}
+        return {"model": model, "parameters": parameters, "batch": [2, 64], "results": results}
+
+    fractions = ["1e-4", "1e-2", "none"]
+    data = {"device": "cpu", "dtype": "float32", "threads": 2, "batch": "2x64", "by_fraction": []}
+    data["by_size"] = [row for m, n in (("a", 2e7), ("b", 1e8)) for row in G.rows_of(record(m, n, ["0.01"]), ["0.01"])]
+    data["by_fraction"] = G.rows_of(record("b", 1e8, fractions), fractions)
+    assert [r["fraction"] for r in data["by_fraction"]] == [1e-4, 1e-2, None]
+    table = G.markdown(data["by_fraction"], "GiB RSS")
+    assert table[2].startswith("| b | 100.0M | 1e-4 | 1.000 s | 1.100 s | 1.10x |") and "dense S" in table[-1]
+    G.plot(data, tmp_path / "growth.png")
+    assert (tmp_path / "growth.png").stat().st_size > 10_000
