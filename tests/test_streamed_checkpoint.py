@@ -260,3 +260,13 @@ def test_streamed_checkpoint_reads_headers_without_tensors(tmp_path):
     with pytest.raises(KeyError):
         checkpoint["missing.weight"]
     checkpoint.close()
+
+
+def test_a_checkpoint_without_safetensors_is_loaded_with_from_pretrained(tmp_path):
+    """``pytorch_model.bin`` only (older checkpoints): loaded whole by transformers (``weights_only``), same graft."""
+    pre, finetuned, _ = make_pair("llama")
+    (tmp_path / "ft").mkdir()
+    finetuned.config.save_pretrained(tmp_path / "ft")
+    torch.save(finetuned.state_dict(), tmp_path / "ft" / "pytorch_model.bin")
+    assert safetensors_files(tmp_path / "ft") is None
+    _assert_same_graft(_graft(pre, str(tmp_path / "ft")), _graft(pre, finetuned))
