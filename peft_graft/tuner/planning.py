@@ -99,6 +99,8 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
                     "(modules_to_save): is it fine-tuned from this pre-trained model?"
                 )
             plan.saved_whole[name] = tensor
+    if isinstance(state, StreamedCheckpoint):
+        state.close()  # unmap the last shard now rather than when the mapping is collected
     return plan
 
 
