@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import get_peft_model
-from testing_utils import clone_model, cls_dataset, fast_args, input_ids, make_pair
+from testing_utils import check_bf16_mask_training, clone_model, input_ids, make_pair
 
 import peft_graft.tuner.layer as graft_layer
-from peft_graft import GraftConfig, MaskTrainer
+from peft_graft import GraftConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -70,19 +70,7 @@ def _stored(model, name: str) -> str:
 
 @pytest.mark.parametrize("search", [{}, {"search_entries": 200}])
 def test_mask_training_on_a_bf16_gpu_model(tmp_path, search):
-    pre, finetuned, task_type = _on_gpu("roberta_cls", torch.bfloat16)
-    config = GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type, **search)
-    model = get_peft_model(clone_model(pre).to("cuda"), config)
-    args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e6, use_cpu=False)
-    trainer = MaskTrainer(model=model, args=args, train_dataset=cls_dataset(16))
-    trainer.train()
-    assert trainer.mask_report["grafted_entries"] == model.get_region().num_entries > 0
-    region = model.get_region()
-    merged = dict(model.merge_and_unload().named_parameters())
-    tuned = dict(finetuned.named_parameters())
-    for name, indices in region.items():
-        assert merged[name].device.type == "cuda" and merged[name].dtype == torch.bfloat16
-        assert torch.equal(merged[name].view(-1)[indices], tuned[name].view(-1)[indices]), name
+    check_bf16_mask_training(tmp_path, search, device="cuda")
 
 
 def test_streamed_checkpoint_onto_a_gpu_base(tmp_path):

@@ -9,7 +9,17 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
-from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, finetune_like, learning_graft, make_pair, scores
+from testing_utils import (
+    VOCAB,
+    check_bf16_mask_training,
+    clone_model,
+    cls_dataset,
+    fast_args,
+    finetune_like,
+    learning_graft,
+    make_pair,
+    scores,
+)
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
@@ -525,19 +535,4 @@ def test_resuming_from_another_runs_or_a_truncated_checkpoint_is_refused(tmp_pat
 def test_mask_training_over_a_bf16_model_keeps_fp32_scores_and_merges_to_theta_ft(tmp_path, search):
     """A bf16 base (issue 14): S is fp32, training runs (dense S or a search space), and the learned region merges
     into the bf16 model as theta_ft bit for bit."""
-    pre, finetuned, task_type = make_pair("roberta_cls")
-    pre, finetuned = pre.to(torch.bfloat16), finetuned.to(torch.bfloat16)
-    config = GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type, **search)
-    model = get_peft_model(clone_model(pre), config)
-    before = scores(model)
-    assert before and all(s.dtype == torch.float32 for s in before.values())
-    args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e6)
-    trainer = MaskTrainer(model=model, args=args, train_dataset=cls_dataset(16))
-    trainer.train()
-    assert trainer.mask_report["grafted_entries"] == model.get_region().num_entries > 0
-    region = model.get_region()
-    merged = dict(model.merge_and_unload().named_parameters())
-    tuned = dict(finetuned.named_parameters())
-    for name, indices in region.items():
-        assert merged[name].dtype == torch.bfloat16
-        assert torch.equal(merged[name].view(-1)[indices], tuned[name].view(-1)[indices]), name
+    check_bf16_mask_training(tmp_path, search)

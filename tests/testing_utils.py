@@ -143,6 +143,29 @@ def scores(model) -> dict[str, torch.Tensor]:
     }
 
 
+def check_bf16_mask_training(tmp_path, search: dict, device: str = "cpu") -> None:
+    """Learn a region over a bf16 RoBERTa classifier on ``device``: S stays fp32, and the learned region merges into
+    the bf16 model as theta_ft bit for bit."""
+    from peft_graft import MaskTrainer
+
+    pre, finetuned, task_type = make_pair("roberta_cls")
+    pre, finetuned = pre.to(device, torch.bfloat16), finetuned.to(device, torch.bfloat16)
+    config = GraftConfig(finetuned=finetuned, num_entries=20, learn_region=True, task_type=task_type, **search)
+    model = get_peft_model(clone_model(pre).to(device), config)
+    before = scores(model)
+    assert before and all(s.dtype == torch.float32 for s in before.values())
+    args = fast_args(tmp_path, per_device_train_batch_size=8, max_steps=2, learning_rate=1e6, use_cpu=device == "cpu")
+    trainer = MaskTrainer(model=model, args=args, train_dataset=cls_dataset(16))
+    trainer.train()
+    assert trainer.mask_report["grafted_entries"] == model.get_region().num_entries > 0
+    region = model.get_region()
+    merged = dict(model.merge_and_unload().named_parameters())
+    tuned = dict(finetuned.named_parameters())
+    for name, indices in region.items():
+        assert merged[name].device.type == device and merged[name].dtype == torch.bfloat16
+        assert torch.equal(merged[name].view(-1)[indices], tuned[name].view(-1)[indices]), name
+
+
 def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
     """A seeded random region of ``fraction`` of every tensor of ``model`` (tied tensors under their first name)."""
     generator = torch.Generator().manual_seed(seed)

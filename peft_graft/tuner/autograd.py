@@ -99,10 +99,7 @@ class GraftedSearchSpace(torch.autograd.Function):
     def forward(ctx, scores, movement, base, parts, pool, *thetas):
         ctx.save_for_backward(scores, movement, base)
         ctx.parts = parts
-        values = torch.sigmoid(scores.detach())
-        if base.numel():
-            values[base] = 1.0 - values[base]
-        values.mul_(movement)
+        values = _soft_delta(scores, movement, base)
         buffers = pool.acquire(thetas) if pool is not None else None
         ctx.pool = pool if buffers is not None else None
         outputs = []
@@ -128,11 +125,25 @@ class GraftedSearchSpace(torch.autograd.Function):
                 grad[a:b] = g.reshape(-1).index_select(0, local)
         if ctx.pool is not None:
             ctx.pool.release()
-        grad.mul_(movement)
-        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()))
-        if base.numel():
-            grad[base] = -grad[base]
-        return (grad, None, None, None, None, *([None] * len(grads)))
+        return (_score_gradient(grad, scores, movement, base), None, None, None, None, *([None] * len(grads)))
+
+
+def _soft_delta(scores: torch.Tensor, movement: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``gamma(S) * delta`` over a search space (paper Eq. 4; ``base``: positions of ``gamma_base``), without grad."""
+    values = torch.sigmoid(scores.detach())
+    if base.numel():
+        values[base] = 1.0 - values[base]
+    return values.mul_(movement)
+
+
+def _score_gradient(
+    grad_values: torch.Tensor, scores: torch.Tensor, movement: torch.Tensor, base: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of S from the gradient of ``gamma(S) * delta`` at the same entries (overwrites ``grad_values``)."""
+    grad = torch.ops.aten.sigmoid_backward(grad_values.mul_(movement), torch.sigmoid(scores.detach()))
+    if base.numel():
+        grad[base] = -grad[base]
+    return grad
 
 
 class GraftedRows(torch.autograd.Function):
@@ -291,11 +302,7 @@ class SparseLinearDelta(torch.autograd.Function):
     def forward(ctx, x, scores, movement, base, pattern: LinearPattern):
         ctx.save_for_backward(x, scores, movement, base)
         ctx.pattern = pattern
-        values = torch.sigmoid(scores.detach())
-        if base.numel():
-            values[base] = 1.0 - values[base]
-        values.mul_(movement)
-        ctx.values = values
+        ctx.values = values = _soft_delta(scores, movement, base)
         x2 = x.detach().reshape(-1, x.shape[-1]).float()
         out = torch.zeros(x2.shape[0], pattern.shape[0], dtype=torch.float32, device=x.device)
         if pattern.weight_slice is not None:
@@ -324,8 +331,4 @@ class SparseLinearDelta(torch.autograd.Function):
         if pattern.bias_slice is not None:
             a, b = pattern.bias_slice
             grad_values[a:b] = g2.index_select(1, pattern.bias_index).sum(0)
-        grad_values.mul_(movement)
-        grad = torch.ops.aten.sigmoid_backward(grad_values, torch.sigmoid(scores.detach()))
-        if base.numel():
-            grad[base] = -grad[base]
-        return grad_x, grad, None, None, None
+        return grad_x, _score_gradient(grad_values, scores, movement, base), None, None, None
