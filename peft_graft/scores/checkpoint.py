@@ -88,8 +88,12 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
         self.rename: dict[str, str] = {}
         self._open: tuple[Path, object] | None = None
 
+    def _key(self, name: str) -> str:
+        """The checkpoint's name of the model's tensor ``name``."""
+        return self.rename.get(name, name)
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        key = self.rename.get(name, name)
+        key = self._key(name)
         if key not in self._where:
             raise KeyError(name)
         file = self._where[key]
@@ -100,7 +104,7 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
         return self._open[1].get_tensor(key)
 
     def __contains__(self, name: object) -> bool:
-        return self.rename.get(name, name) in self._where  # type: ignore[arg-type]
+        return isinstance(name, str) and self._key(name) in self._where
 
     def __iter__(self) -> Iterator[str]:
         inverse = {key: name for name, key in self.rename.items()}
@@ -111,11 +115,11 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``, from the file header."""
-        return self._headers[self.rename.get(name, name)][0]
+        return self._headers[self._key(name)][0]
 
     def is_floating_point(self, name: str) -> bool:
         """Whether tensor ``name`` is floating point, from the file header."""
-        return self._headers[self.rename.get(name, name)][1] in _DTYPES
+        return self._headers[self._key(name)][1] in _DTYPES
 
     def close(self) -> None:
         """Close the open shard (lookups reopen one)."""
