@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from peft import PeftModel
 from safetensors import SafetensorError, safe_open
@@ -30,6 +31,7 @@ from ..parameter_layout import NO_ENTRIES, build_layout
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
 from .losses import LossTermsTrainer
+from .mask_selection import Entries, SignificantSelection, copy_entries, per_example_correct
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +63,16 @@ class MaskTrainingArguments(TrainingArguments):
         keep_best_mask: When evaluation runs during training and ``metric_for_best_model`` is set, evaluate the
             starting mask (``gamma_base``) before the first step too, and end with the best evaluated mask instead of
             the last one (ties keep the earlier mask), so a run never returns a mask worse than ``gamma_base`` on its
-            selection metric. A run resumed from a checkpoint compares the masks evaluated after resuming.
+            selection metric. A run resumed from a checkpoint compares gamma_base and the masks evaluated after
+            resuming.
         select_on_train: Also evaluate the hard mask on the training set at each evaluation and report
             ``eval_train_plus_eval_<metric>`` (the paper picks the mask by train + validation score); use it with
             ``metric_for_best_model="train_plus_eval_<metric>"`` and ``load_best_model_at_end=True``.
+        selection_alpha: With ``keep_best_mask``: a learned mask replaces gamma_base only if it is more accurate on
+            the selection examples (eval, plus train with ``select_on_train``) by a one-sided exact sign test at level
+            ``selection_alpha / m``, m the learned masks evaluated (see :mod:`.mask_selection`); the best selection
+            metric among those that pass wins. Needs ``metric_for_best_model`` to be an accuracy and one label per
+            example. ``None``: the best selection metric wins, however small the margin (the paper).
     """
 
     learning_rate: float = field(default=1e7, metadata={"help": "Learning rate of S (paper: 1e7)."})
@@ -93,6 +101,13 @@ class MaskTrainingArguments(TrainingArguments):
     select_on_train: bool = field(
         default=False, metadata={"help": "Also evaluate on the training set; report train + eval metric sums."}
     )
+    selection_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "Keep a learned mask over gamma_base only if a sign test on the selection examples finds it more "
+            "accurate at this level (Bonferroni over the evaluated masks). None: the best metric wins (the paper)."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,6 +128,12 @@ class MaskTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"learning_rate must be a finite number > 0, got {self.learning_rate}: the paper's mask training uses "
                 "1e7."
+            )
+        if self.selection_alpha is not None and (
+            isinstance(self.selection_alpha, bool) or not (0.0 < self.selection_alpha < 1.0)
+        ):
+            raise ValueError(
+                f"selection_alpha must be a level in (0, 1) or None, got {self.selection_alpha!r} (e.g. 0.05)."
             )
         if not (self.l1_penalty >= 0.0) or math.isinf(self.l1_penalty):
             raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
@@ -172,9 +193,14 @@ class MaskTrainer(LossTermsTrainer):
         )
         if args.l1_penalty:
             self.loss_terms.append(ScoreL1Penalty(list(learners.values()), args.l1_penalty))
-        self.mask_report: dict[str, int] = {}
+        self.mask_report: dict[str, float] = {}
+        self._selection_report: dict[str, float] = {}
         self._tracking_best = False  # while train() keeps the best evaluated mask (keep_best_mask)
-        self._best: tuple[float, int, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._best: tuple[float, int, Entries] | None = None
+        self._selection: SignificantSelection | None = None  # with selection_alpha, while train() runs
+        self._correct: dict[str, np.ndarray] = {}  # per-example correctness of the last evaluations, by prefix
+        if args.selection_alpha is not None:
+            _check_selection_setup(args, self.eval_dataset)
         self._fingerprint: str | None = None
 
     # ------------------------------------------------------------------------------------------ mask state
@@ -198,12 +224,21 @@ class MaskTrainer(LossTermsTrainer):
             return {module: learner.harden() for module, learner in learners.items()}
         return harden_exact(learners, min(self.args.num_entries, self._num_moved))
 
+    def starting_entries(self) -> Entries:
+        """The starting mask gamma_base (its moved entries), by module."""
+        entries = {}
+        for module, learner in self.region_learners().items():
+            positions = torch.sort(learner.base_region).values
+            entries[module] = learner.entries_at(positions[learner.moved()[positions]])
+        return entries
+
     @contextmanager
-    def hard_mask(self) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """Within this context the model applies the hard region it would keep (:meth:`kept_entries`), as the paper
-        evaluates; yields those entries."""
+    def hard_mask(self, entries: Entries | None = None) -> Iterator[Entries]:
+        """Within this context the model applies a hard region, by default the one it would keep
+        (:meth:`kept_entries`), as the paper evaluates; yields those entries."""
         learners = self.region_learners()
-        entries = self.kept_entries() if learners else {}
+        if entries is None:
+            entries = self.kept_entries() if learners else {}
         for module, learner in learners.items():
             learner.hard = entries.get(module, NO_ENTRIES)
         try:
@@ -271,13 +306,20 @@ class MaskTrainer(LossTermsTrainer):
             )
         self._check_labels()
         self._best = None
+        self._selection_report = {}
         self._tracking_best = self._selects_best_mask()
+        alpha = self.args.selection_alpha
+        if self._tracking_best and alpha is not None:
+            self._selection = SignificantSelection(alpha, self.args.greater_is_better)
         try:
-            if self._tracking_best and not resume_from_checkpoint:
-                self.evaluate()  # the starting mask gamma_base is a candidate
+            if self._tracking_best:  # the starting mask gamma_base is a candidate (resumed runs too)
+                self._evaluate_mask(self.starting_entries())
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            if self._selection is not None:
+                self._choose_significant()
         finally:
             self._tracking_best = False
+            self._selection = None
         if self.args.num_entries is not None and self.args.num_entries > self._num_moved:
             raise ValueError(
                 f"num_entries={self.args.num_entries} exceeds the {self._num_moved} entries fine-tuning moved: lower "
@@ -296,8 +338,9 @@ class MaskTrainer(LossTermsTrainer):
         evaluates = args.eval_strategy != "no" and self.eval_dataset is not None
         return args.keep_best_mask and evaluates and args.metric_for_best_model is not None
 
-    def _track_best(self, metrics: dict[str, float], entries: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep a copy of the evaluated hard region when its selection metric is the best so far (strictly)."""
+    def _track_best(self, metrics: dict[str, float], entries: Entries) -> None:
+        """Keep a copy of the evaluated hard region when its selection metric is the best so far (strictly), or offer
+        it to the significance test (``selection_alpha``)."""
         name = self.args.metric_for_best_model
         value = metrics.get(name if name.startswith("eval_") else f"eval_{name}")
         if value is None:
@@ -305,11 +348,23 @@ class MaskTrainer(LossTermsTrainer):
                 f"metric_for_best_model={name!r} is not among the evaluation metrics {sorted(metrics)}: fix it, or "
                 "set keep_best_mask=False."
             )
+        if self._selection is not None:
+            prefixes = ("eval", "train") if self.args.select_on_train else ("eval",)
+            correct = np.concatenate([self._correct.pop(prefix) for prefix in prefixes])
+            self._selection.offer(value, self.state.global_step, correct, entries)
+            return
         best = self._best
         better = best is None or (value > best[0] if self.args.greater_is_better else value < best[0])
         if better:
-            copy = {module: (idx.detach().clone(), val.detach().clone()) for module, (idx, val) in entries.items()}
-            self._best = (value, self.state.global_step, copy)
+            self._best = (value, self.state.global_step, copy_entries(entries))
+
+    def _choose_significant(self) -> None:
+        """The mask :class:`SignificantSelection` keeps becomes the one hardening applies."""
+        selection = self._selection
+        chosen = selection.choice()
+        if chosen is not None:
+            self._best = (chosen.value, chosen.step, chosen.entries)
+            self._selection_report = {"evaluated_masks": selection.evaluated, "selection_p_value": chosen.p_value}
 
     def finalize_mask(self) -> int:
         """Harden the learned region in place; returns its size.
@@ -331,6 +386,7 @@ class MaskTrainer(LossTermsTrainer):
         self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
         if best is not None:
             self.mask_report["selected_step"] = best[1]
+            self.mask_report.update(self._selection_report)
         return kept
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -375,7 +431,13 @@ class MaskTrainer(LossTermsTrainer):
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate the hard region (:meth:`kept_entries`), as the paper does; optionally also on the training set."""
-        with self.hard_mask() as entries:
+        return self._evaluate_mask(None, eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _evaluate_mask(
+        self, entries: Entries | None, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """:meth:`evaluate` with the hard region ``entries`` (default: :meth:`kept_entries`)."""
+        with self.hard_mask(entries) as entries:
             metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
             learning = bool(self.region_learners())
             size = sum(int(idx.numel()) for idx, _ in entries.values()) if learning else self.num_grafted_entries()
@@ -391,6 +453,13 @@ class MaskTrainer(LossTermsTrainer):
         if self._tracking_best and eval_dataset is None and metric_key_prefix == "eval":
             self._track_best(metrics, entries)
         return metrics
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # fmt: skip
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if self._selection is not None and metric_key_prefix in ("eval", "train"):  # the examples of the sign test
+            self._correct[metric_key_prefix] = per_example_correct(output.predictions, output.label_ids)
+        return output
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         with self.hard_mask():
@@ -432,6 +501,25 @@ class MaskTrainer(LossTermsTrainer):
             return
         logger.info("Loading the best mask from %s (score: %s).", path, self.state.best_metric)
         self._load_scores(path)
+
+
+def _check_selection_setup(args: MaskTrainingArguments, eval_dataset: Any) -> None:
+    """``selection_alpha`` chooses among masks evaluated during training, by accuracy."""
+    if not args.keep_best_mask or args.eval_strategy == "no" or eval_dataset is None:
+        raise ValueError(
+            f"selection_alpha={args.selection_alpha} chooses among the masks evaluated during training, but "
+            f"keep_best_mask={args.keep_best_mask}, eval_strategy={str(args.eval_strategy)!r} and the eval_dataset is "
+            f"{'missing' if eval_dataset is None else 'given'}: set keep_best_mask=True, eval_strategy='steps' with "
+            "eval_steps, and pass an eval_dataset, or set selection_alpha=None."
+        )
+    name = (args.metric_for_best_model or "").removeprefix("eval_").removeprefix("train_plus_eval_")
+    if name != "accuracy" or not args.greater_is_better:
+        raise ValueError(
+            f"selection_alpha={args.selection_alpha} compares masks by a sign test on per-example accuracy, but "
+            f"metric_for_best_model={args.metric_for_best_model!r} (greater_is_better={args.greater_is_better}): set "
+            "metric_for_best_model='accuracy' (or 'train_plus_eval_accuracy' with select_on_train), or "
+            "selection_alpha=None."
+        )
 
 
 def _check_model(model: Any) -> str:
