@@ -229,6 +229,26 @@ def _row(label: str, entries: str, report: dict[str, float], f1: bool) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _selection_of(graft_dir: str) -> dict:
+    """Which evaluated mask run_graft.py kept (``graft_results.json``): step, and the sign test's p-value and number of
+    masks with ``--selection_alpha``."""
+    path = Path(graft_dir, "graft_results.json")
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    return {key: saved[key] for key in ("selected_step", "selection_p_value", "evaluated_masks") if key in saved}
+
+
+def _selection_note(graft: dict) -> str:
+    if "selected_step" not in graft:
+        return ""
+    step = graft["selected_step"]
+    note = ", the starting mask gamma_base kept" if step == 0 else f", the mask of step {step}"
+    if "selection_p_value" in graft and step:
+        note += f" (sign test p = {graft['selection_p_value']:.2g} over {graft['evaluated_masks']} masks)"
+    return note
+
+
 def summary_markdown(results: dict) -> str:
     """A table per evaluation set (every model, in ``results["models"]`` order), the fitted temperatures, the sweep
     table (when the sweep ran) and the run times."""
@@ -247,8 +267,8 @@ def summary_markdown(results: dict) -> str:
                 lines.append(_row(info.get("label", name), entries, reports[name], f1))
         lines.append("")
     stats = results["graft_stats"]
-    grafts = ", ".join(f"{g['num_entries']:,} entries ({100 * g['sparsity']:.4f}%, {Path(g['dir']).name})"
-                       for g in results.get("grafts", []))  # fmt: skip
+    grafts = ", ".join(f"{g['num_entries']:,} entries ({100 * g['sparsity']:.4f}%, {Path(g['dir']).name}"
+                       f"{_selection_note(g)})" for g in results.get("grafts", []))  # fmt: skip
     lines += [
         f"Learned grafts: {grafts}. Sparsity = grafted entries / all {stats['num_parameters']:,} parameters; stored "
         f"whole in each graft (new classification head): {stats['modules_to_save_parameters']:,} parameters. "
@@ -391,7 +411,8 @@ def main(args: list[str] | None = None) -> dict:
         if name in models:  # two grafts of one size: tell them apart by position in --graft_dirs
             name, label = f"{name} #{len(grafts) + 1}", f"learned #{len(grafts) + 1}"
         predict_all(name, model, "learned", k, label)
-        grafts.append({"name": name, "dir": str(directory), "num_entries": k, "sparsity": stats.sparsity})
+        grafts.append({"name": name, "dir": str(directory), "num_entries": k, "sparsity": stats.sparsity,
+                       **_selection_of(directory)})  # fmt: skip
         del model
         free_memory()
     graft_sizes = sorted({g["num_entries"] for g in grafts})

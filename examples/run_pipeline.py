@@ -49,6 +49,10 @@ logger = logging.getLogger("run_pipeline")
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
 SWEEP_FRACTIONS = (1e-2,)
 
+# A learned mask replaces the top-k movement region only if a sign test on the dev set finds it more accurate at this
+# level, Bonferroni over the evaluated masks (MaskTrainingArguments.selection_alpha; BENCHMARKS.md, issue 10).
+SELECTION_ALPHA = 0.05
+
 # Sized for under 15 minutes on 2 CPU cores (the paper's 100 mask steps, at batch 16).
 DEFAULT = dict(k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=16,
                test_size=1000, dev_size=500, sweep_samples=500)  # fmt: skip
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
             "--base_num_entries", str(max(1, round(fraction * num_parameters))),
             "--validation_dataset", data["dev"], "--validation_split", "train", "--select_on", "validation",
+            "--selection_alpha", str(SELECTION_ALPHA),
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
             "--logging_steps", str(min(25, max(1, settings["mask_steps"] // 2))),

@@ -244,3 +244,15 @@ def test_f1_on_a_multiclass_task_is_an_error(assets, trained, tmp_path):
     with pytest.raises(ValueError, match=r"--f1 reports binary F1.*3 classes"):
         run_evaluate.main(args)
     assert not (tmp_path / "report").exists()
+
+
+def test_summary_says_which_mask_each_graft_kept(tmp_path):
+    (tmp_path / "graft_results.json").write_text(
+        json.dumps({"selected_step": 20, "selection_p_value": 0.0031, "evaluated_masks": 10, "eval_accuracy": 0.7})
+    )
+    selection = run_evaluate._selection_of(str(tmp_path))
+    assert selection == {"selected_step": 20, "selection_p_value": 0.0031, "evaluated_masks": 10}
+    assert run_evaluate._selection_note(selection) == ", the mask of step 20 (sign test p = 0.0031 over 10 masks)"
+    kept = {"selected_step": 0, "selection_p_value": 1.0, "evaluated_masks": 10}
+    assert run_evaluate._selection_note(kept) == ", the starting mask gamma_base kept"
+    assert run_evaluate._selection_of(str(tmp_path / "missing")) == {} and run_evaluate._selection_note({}) == ""

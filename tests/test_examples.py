@@ -312,6 +312,18 @@ def test_graft_selects_the_mask_on_validation_only(assets, finetuned, tmp_path):
         run_graft.main(graft_args(assets, finetuned, "classification", tmp_path, *extra, "--select_on", "test"))
 
 
+def test_graft_selection_alpha_reports_the_sign_test(assets, finetuned, tmp_path):
+    extra = ["--validation_dataset", assets["test"], "--validation_split", "train", "--select_every", "1"]
+    results = run_graft.main(
+        graft_args(
+            assets, finetuned, "classification", tmp_path, *extra, "--select_on", "validation", "--selection_alpha",
+            "0.05",
+        )
+    )  # fmt: skip
+    assert results["evaluated_masks"] >= 1 and 0 < results["selection_p_value"] <= 1
+    assert results["selection_p_value"] * results["evaluated_masks"] <= 0.05 or results["selected_step"] == 0
+
+
 def test_graft_exclude_parameters_keeps_them_out_of_the_region(assets, finetuned, tmp_path):
     run_graft.main(
         graft_args(assets, finetuned, "classification", tmp_path, "--exclude_parameters", "pooler", "attention")
