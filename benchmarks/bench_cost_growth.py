@@ -7,15 +7,15 @@
 Each model runs ``benchmarks/bench_mask_step.py --timing isolated``: plain SGD and every mask variant each in its own
 process, one after the other (build, one warm-up step, ``--repeats`` timed steps, the median; peak RSS of the steps,
 RSS after loading theta_pre, peak while creating the graft). The models are one Llama family that varies only in size
-(``LLAMA_FAMILY`` in bench_mask_step.py: vocabulary 32,000, tied embeddings, head size 64, grouped-query attention):
+(``LLAMA_FAMILY`` in bench_models.py: vocabulary 32,000, tied embeddings, head size 64, grouped-query attention):
 
     llama-22m   hidden 384,  6 layers,  6 heads, 2 kv heads, MLP 1024:   21.7M parameters
     llama-125m  hidden 768,  12 layers, 12 heads, 4 kv heads, MLP 3072: 128.4M
     llama-400m  hidden 1024, 24 layers, 16 heads, 4 kv heads, MLP 4096: 397.7M
     llama-1b    hidden 2048, 16 layers, 32 heads, 8 kv heads, MLP 8192: 1038.7M (Llama-3.2-1B with 32,000 tokens)
 
-all at the same batch (bench_mask_step's ``LLAMA_BATCH``, 2 x 64 tokens; ``--batch`` changes it), with theta_ft =
-theta_pre plus bench_mask_step's structured perturbation, read from its cache. Against size: ``--size-search``
+all at the same batch (bench_models' ``LLAMA_BATCH``, 2 x 64 tokens; ``--batch`` changes it), with theta_ft =
+theta_pre plus bench_models' structured perturbation, read from its cache. Against size: ``--size-search``
 (default the search space ``0.01``; add ``none`` for the dense S where it fits). Against the fraction:
 ``--fraction-model`` (default llama-125m) at ``--fractions`` (default 1e-4 1e-3 1e-2 1e-1 and ``none``, the paper's
 dense S). Variants estimated not to fit in the available memory are skipped (``--force`` runs them).
@@ -212,7 +212,7 @@ def main() -> None:
             args.repeats = 2
         if args.cache is None:
             sys.path.insert(0, str(HERE))
-            from bench_mask_step import DEFAULT_CACHE
+            from bench_models import DEFAULT_CACHE
 
             args.cache = DEFAULT_CACHE
         start = time.perf_counter()

@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from bench_mask_step import MODELS, batch_for, load_pretrained, reset_peak, rss_gb
+from bench_models import MODELS, batch_for, load_pretrained, reset_peak, rss_gb
 
 from peft_graft.scores import fisher_diagonal
 

@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 import torch
-from bench_mask_step import MODELS, load_pretrained
+from bench_models import MODELS, load_pretrained
 from bench_restriction import step
 
 from peft_graft import restrict_training

@@ -1,5 +1,6 @@
-"""The mask-step benchmarks on a tiny random Llama: theta_ft's structured perturbation, the rebuilt theta_pre check,
-one variant measured in process, the bytes-per-parameter accounting, and the cost-growth tables and figure."""
+"""The benchmarks' models and the mask-step benchmark on a tiny random Llama: theta_ft's structured perturbation,
+the rebuilt theta_pre check, one variant measured in process, the bytes-per-parameter accounting, and the cost-growth
+tables and figure."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import bench_cost_growth as G  # noqa: E402
 import bench_mask_step as B  # noqa: E402
+import bench_models as M  # noqa: E402
 
 TINY = "llama-0.4m"
 
@@ -28,37 +30,37 @@ def one_thread():
 
 
 def test_theta_ft_is_theta_pre_plus_a_structured_update():
-    pre, ft = B.load_pretrained(TINY), B.load_pretrained(TINY)
+    pre, ft = M.load_pretrained(TINY), M.load_pretrained(TINY)
     assert all(torch.equal(a, b) for a, b in zip(pre.parameters(), ft.parameters(), strict=True))  # seeded
-    B.perturb_(ft)
+    M.perturb_(ft)
     for (name, before), after in zip(pre.named_parameters(), ft.parameters(), strict=True):
         update = (after - before).detach().double()
         if name.endswith("embed_tokens.weight"):
             moved_rows = int(update.abs().sum(1).ne(0).sum())
-            assert moved_rows == round(B.EMBEDDING_ROWS * before.shape[0])
+            assert moved_rows == round(M.EMBEDDING_ROWS * before.shape[0])
         elif before.ndim == 2:
             values = torch.linalg.svdvals(update)  # rank RANK up to the fp32 rounding of theta_pre + update
-            assert values[B.RANK - 1] > 0.1 * values[0] and values[B.RANK] < 1e-3 * values[0]
+            assert values[M.RANK - 1] > 0.1 * values[0] and values[M.RANK] < 1e-3 * values[0]
         else:
             assert bool(update.ne(0).all())
         ratio = float(update.pow(2).mean().sqrt() / before.detach().double().pow(2).mean().sqrt())
         if not name.endswith("embed_tokens.weight"):
-            assert B.RELATIVE_SIZE / 2 * 0.99 <= ratio <= B.RELATIVE_SIZE * 2 * 1.01
+            assert M.RELATIVE_SIZE / 2 * 0.99 <= ratio <= M.RELATIVE_SIZE * 2 * 1.01
 
 
 def test_rebuilt_theta_pre_is_checked_against_the_cache(tmp_path):
-    folder = B.prepare_finetuned(TINY, "float32", str(tmp_path))
-    assert (folder / B.FINGERPRINT_FILE).is_file() and (folder / "config.json").is_file()
-    B.check_pretrained(B.load_pretrained(TINY), folder)
-    other = B.load_pretrained(TINY)
-    B.perturb_(other, seed=5)
+    folder = M.prepare_finetuned(TINY, "float32", str(tmp_path))
+    assert (folder / M.FINGERPRINT_FILE).is_file() and (folder / "config.json").is_file()
+    M.check_pretrained(M.load_pretrained(TINY), folder)
+    other = M.load_pretrained(TINY)
+    M.perturb_(other, seed=5)
     with pytest.raises(RuntimeError, match="differs"):
-        B.check_pretrained(other, folder)
+        M.check_pretrained(other, folder)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path):
-    B.prepare_finetuned(TINY, "float32", str(tmp_path))
+    M.prepare_finetuned(TINY, "float32", str(tmp_path))
     plain = B.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
     mask = B.run_variant(TINY, "0.01", 1, "cpu", "float32", str(tmp_path))
     dense = B.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
