@@ -2,6 +2,9 @@
 
 Usage: python tests/ddp_mask_script.py OUTPUT_DIR [CANDIDATES]. Writes OUTPUT_DIR/checkpoint-2 (the sparse graft and
 S) and OUTPUT_DIR/final (the hardened graft). SEARCH_FRACTION: ``GraftConfig.search_fraction`` (default: dense S).
+With the environment variable ``SELECT=1`` every step is evaluated on the training examples and the mask is selected
+with ``selection_alpha`` (the predictions are gathered from both processes); ``EVALUATE_FIRST=1`` evaluates before
+training (refused under DDP).
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from testing_utils import VOCAB, clone_model, make_pair
 from torch import nn
 
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
+
+
+def accuracy(prediction) -> dict[str, float]:
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+SELECTION = (
+    dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy", selection_alpha=0.5)
+    if os.environ.get("SELECT") == "1"
+    else {}
+)
+EVALUATION = {"compute_metrics": accuracy}
 
 
 def main(output_dir: str, search_fraction: float | None) -> None:
@@ -46,8 +61,12 @@ def main(output_dir: str, search_fraction: float | None) -> None:
         disable_tqdm=True,
         dataloader_pin_memory=False,
         seed=0,
+        **SELECTION,
     )
-    trainer = MaskTrainer(model=model, args=args, train_dataset=data)
+    evaluation = {"eval_dataset": data, **EVALUATION} if SELECTION else {}
+    trainer = MaskTrainer(model=model, args=args, train_dataset=data, **evaluation)
+    if os.environ.get("EVALUATE_FIRST") == "1":
+        trainer.evaluate(data)
     trainer.train()
     assert not any(isinstance(m, GraftLayer) and m.is_learning("default") for m in model.modules())
     trainer.save_model(os.path.join(output_dir, "final"))

@@ -335,7 +335,8 @@ def test_exact_budget_logging_and_best_mask(tmp_path, caplog):
     train_logs = [h for h in history if "loss" in h]
     assert train_logs and all({"grafted_entries", "sparsity"} <= h.keys() for h in train_logs)
     evals = [h for h in history if "eval_train_plus_eval_loss" in h]
-    assert len(evals) == 2
+    assert [h["step"] for h in evals] == [0, 2, 4]  # gamma_base, evaluated when training begins, then every 2 steps
+    assert evals[0]["eval_grafted_entries"] == 20  # gamma_base whole; the budget of 7 applies to learned masks
     assert trainer.state.best_model_checkpoint is not None
     assert (tmp_path / "out" / "checkpoint-2" / "adapter_model.safetensors").exists()
     assert "Loading the best mask" in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -34,3 +35,32 @@ def test_two_processes_learn_the_same_mask_as_one(tmp_path, search_fraction):
     for name in graft_one:
         assert torch.equal(graft_one[name], graft_two[name]), name
     assert sum(v.numel() for k, v in graft_one.items() if k.endswith("graft_values")) > 0
+
+
+@pytest.mark.multiprocess
+def test_two_processes_select_the_same_mask_with_the_sign_test(tmp_path, monkeypatch):
+    """Each process sees the predictions of both (gathered), so both keep the same mask, the one 1 process keeps."""
+    monkeypatch.setenv("SELECT", "1")
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)
+    double = run_command([*TORCHRUN, SCRIPT, str(tmp_path / "two")], tmp_path)
+    report = single.split("accumulation=4 ")[1].splitlines()[0]
+    assert "'evaluated_masks': 2" in report and "selection_p_value" in report
+    assert double.split("accumulation=2 ")[1].splitlines()[0] == report
+    graft_one = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    graft_two = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
+    assert graft_one.keys() == graft_two.keys()
+    assert all(torch.equal(graft_one[name], graft_two[name]) for name in graft_one)
+
+
+@pytest.mark.multiprocess
+def test_an_evaluation_before_training_is_refused_under_ddp(tmp_path, monkeypatch):
+    """accelerate would mark the model prepared, and the Trainer would then train it without DDP."""
+    monkeypatch.setenv("SELECT", "1")
+    monkeypatch.setenv("EVALUATE_FIRST", "1")
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)  # one process: nothing to wrap
+    assert "world_size=1" in single
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    command = [*TORCHRUN, SCRIPT, str(tmp_path / "two")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "evaluated before its first training" in result.stderr

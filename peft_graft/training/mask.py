@@ -24,7 +24,7 @@ from peft import PeftModel
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from ..parameter_layout import NO_ENTRIES, build_layout
@@ -202,6 +202,7 @@ class MaskTrainer(LossTermsTrainer):
         if args.selection_alpha is not None:
             _check_selection_setup(args, self.eval_dataset)
         self._fingerprint: str | None = None
+        self.add_callback(_StartingMaskEvaluation(self))
 
     # ------------------------------------------------------------------------------------------ mask state
     def region_learners(self) -> dict[str, RegionLearner]:
@@ -305,15 +306,14 @@ class MaskTrainer(LossTermsTrainer):
                 "graft with GraftConfig(finetuned=..., learn_region=True) to train again."
             )
         self._check_labels()
+        self._check_distributed_wrapping()
         self._best = None
         self._selection_report = {}
         self._tracking_best = self._selects_best_mask()
         alpha = self.args.selection_alpha
         if self._tracking_best and alpha is not None:
             self._selection = SignificantSelection(alpha, self.args.greater_is_better)
-        try:
-            if self._tracking_best:  # the starting mask gamma_base is a candidate (resumed runs too)
-                self._evaluate_mask(self.starting_entries())
+        try:  # with _tracking_best, _StartingMaskEvaluation evaluates gamma_base first
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
             if self._selection is not None:
                 self._choose_significant()
@@ -333,12 +333,28 @@ class MaskTrainer(LossTermsTrainer):
             self.log({f"final_{k}": v for k, v in self.mask_report.items()})
         return output
 
+    def _check_distributed_wrapping(self) -> None:
+        """Refuse to train without DDP in a DDP run: an evaluation before the first ``train`` makes accelerate mark
+        the model as prepared, and the Trainer would then train it unwrapped, each process with its own S."""
+        unwrapped = self.model_wrapped is self.model and getattr(self.model, "_is_accelerate_prepared", False)
+        if self.args.world_size > 1 and unwrapped:
+            raise ValueError(
+                f"This model was evaluated before its first training on {self.args.world_size} processes, so the "
+                "Trainer would train it without DistributedDataParallel (each process learning its own S). Create "
+                "the MaskTrainer again and call train() before evaluate(); with keep_best_mask the starting mask is "
+                "evaluated when training begins."
+            )
+
     def _selects_best_mask(self) -> bool:
         args = self.args
         evaluates = args.eval_strategy != "no" and self.eval_dataset is not None
         return args.keep_best_mask and evaluates and args.metric_for_best_model is not None
 
-    def _track_best(self, metrics: dict[str, float], entries: Entries) -> None:
+    def evaluate_starting_mask(self) -> None:
+        """Evaluate gamma_base as the first candidate of the best-mask selection (step 0)."""
+        self._evaluate_mask(self.starting_entries(), starting=True)
+
+    def _track_best(self, metrics: dict[str, float], entries: Entries, step: int) -> None:
         """Keep a copy of the evaluated hard region when its selection metric is the best so far (strictly), or offer
         it to the significance test (``selection_alpha``)."""
         name = self.args.metric_for_best_model
@@ -351,12 +367,12 @@ class MaskTrainer(LossTermsTrainer):
         if self._selection is not None:
             prefixes = ("eval", "train") if self.args.select_on_train else ("eval",)
             correct = np.concatenate([self._correct.pop(prefix) for prefix in prefixes])
-            self._selection.offer(value, self.state.global_step, correct, entries)
+            self._selection.offer(value, step, correct, entries)
             return
         best = self._best
         better = best is None or (value > best[0] if self.args.greater_is_better else value < best[0])
         if better:
-            self._best = (value, self.state.global_step, copy_entries(entries))
+            self._best = (value, step, copy_entries(entries))
 
     def _choose_significant(self) -> None:
         """The mask :class:`SignificantSelection` keeps becomes the one hardening applies."""
@@ -434,9 +450,15 @@ class MaskTrainer(LossTermsTrainer):
         return self._evaluate_mask(None, eval_dataset, ignore_keys, metric_key_prefix)
 
     def _evaluate_mask(
-        self, entries: Entries | None, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+        self,
+        entries: Entries | None,
+        eval_dataset=None,
+        ignore_keys=None,
+        metric_key_prefix: str = "eval",
+        starting: bool = False,
     ) -> dict[str, float]:
-        """:meth:`evaluate` with the hard region ``entries`` (default: :meth:`kept_entries`)."""
+        """:meth:`evaluate` with the hard region ``entries`` (default: :meth:`kept_entries`); ``starting``: it is
+        gamma_base, recorded as step 0."""
         with self.hard_mask(entries) as entries:
             metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
             learning = bool(self.region_learners())
@@ -451,7 +473,7 @@ class MaskTrainer(LossTermsTrainer):
         metrics.update(extra)
         self.log(extra)
         if self._tracking_best and eval_dataset is None and metric_key_prefix == "eval":
-            self._track_best(metrics, entries)
+            self._track_best(metrics, entries, 0 if starting else self.state.global_step)
         return metrics
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -501,6 +523,21 @@ class MaskTrainer(LossTermsTrainer):
             return
         logger.info("Loading the best mask from %s (score: %s).", path, self.state.best_metric)
         self._load_scores(path)
+
+
+class _StartingMaskEvaluation(TrainerCallback):
+    """Evaluates gamma_base when training begins, while ``MaskTrainer`` keeps the best mask.
+
+    Not before ``Trainer.train``: an evaluation before it registers the model with accelerate unwrapped, and the
+    training that follows then runs without DDP (each process learns its own S from its own shard).
+    """
+
+    def __init__(self, trainer: MaskTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer._tracking_best:
+            self.trainer.evaluate_starting_mask()
 
 
 def _check_selection_setup(args: MaskTrainingArguments, eval_dataset: Any) -> None:
