@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--report_dir", default=None, help="Report folder (default reports/<run name>).")
     parser.add_argument("--work_dir", default="outputs/pipeline", help="Models, grafts and data go here.")
     parser.add_argument("--seed", type=int, default=42, help="Seed of the k-shot sample and of training.")
+    parser.add_argument(
+        "--selection_alpha",
+        type=_level_or_none,
+        default=SELECTION_ALPHA,
+        help=f"Level of the sign test a learned mask must pass to replace top-k movement (default {SELECTION_ALPHA}); "
+        "'none': the best dev accuracy wins (the paper's selection).",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])  # fmt: skip
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
             "--base_num_entries", str(max(1, round(fraction * num_parameters))),
             "--validation_dataset", data["dev"], "--validation_split", "train", "--select_on", "validation",
-            "--selection_alpha", str(SELECTION_ALPHA),
+            *([] if args.selection_alpha is None else ["--selection_alpha", str(args.selection_alpha)]),
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
             "--logging_steps", str(min(25, max(1, settings["mask_steps"] // 2))),
@@ -197,6 +204,19 @@ def main(argv: list[str] | None = None) -> dict:
     (report_dir / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\n{summary}\nReport: {report_dir}/ (summary.md, results.json, *.png)")  # the one print: the final table
     return results
+
+
+def _level_or_none(text: str) -> float | None:
+    """``--selection_alpha``: a level in (0, 1), or ``none``."""
+    if text.lower() == "none":
+        return None
+    try:
+        level = float(text)
+    except ValueError:
+        level = math.nan
+    if not 0.0 < level < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a level in (0, 1) or 'none'")
+    return level
 
 
 def _num_parameters(model_dir: str) -> int:

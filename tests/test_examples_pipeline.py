@@ -39,3 +39,15 @@ def test_causal_preset_sizes():
     assert causal["sweep_samples"] <= causal["test_size"]
     for key in ("k_shot", "ft_steps", "mask_steps", "test_size", "dev_size", "ood_size"):
         assert causal[key] > smoke[key]
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "often"])
+def test_a_bad_selection_level_is_refused_before_any_work(value, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_pipeline.main(["--selection_alpha", value, "--work_dir", str(tmp_path)])
+    assert "not a level in (0, 1) or 'none'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_selection_level_none_is_the_papers_best_dev_selection():
+    assert run_pipeline._level_or_none("none") is None and run_pipeline._level_or_none("0.05") == 0.05
