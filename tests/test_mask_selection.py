@@ -10,9 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import get_peft_model
-from test_mask_trainer import _probe_task
+from test_mask_trainer import Probe, _probe_task, planted_start
 from testing_utils import fast_args
-from torch import nn
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 from peft_graft.training.mask_selection import SignificantSelection, per_example_correct, sign_test_p_value
@@ -100,17 +99,13 @@ def test_significant_selection_refuses_a_changed_selection_set():
 
 
 # ------------------------------------------------------------------------------------------ MaskTrainer
-class TwoClassProbe(nn.Module):
+class TwoClassProbe(Probe):
     """The planted probe of test_mask_trainer with two class logits ``[0, w.x + b]`` (argmax = its sign)."""
 
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, 1)
-
     def forward(self, x, labels=None):
-        logit = self.fc(x).squeeze(-1)
-        loss = None if labels is None else nn.functional.binary_cross_entropy_with_logits(logit, labels.float())
-        return {"loss": loss, "logits": torch.stack([torch.zeros_like(logit), logit], -1)}
+        out = super().forward(x, labels)
+        logit = out["logits"]
+        return {"loss": out["loss"], "logits": torch.stack([torch.zeros_like(logit), logit], -1)}
 
 
 def _two_class_task():
@@ -130,10 +125,7 @@ def _planted_run(tmp_path, selection_alpha):
     and the selection set is three examples whose labels are noise (flipped too): there the learned masks win 3-0,
     on held-out data they lose."""
     pre, finetuned, x, labels = _two_class_task()
-    masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
-    config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
-    model = get_peft_model(copy.deepcopy(pre), config)
-    start = model.get_region()
+    model, start = planted_start(pre, finetuned)
     flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
     noisy_dev = Dataset.from_dict({"x": x[:3].tolist(), "labels": (1 - labels[:3]).tolist()})
     held_out = Dataset.from_dict({"x": x[3:].tolist(), "labels": labels[3:].tolist()})
@@ -193,13 +185,11 @@ def test_train_plus_eval_selection_tests_both_sets_together(tmp_path):
 
 def test_resumed_runs_compare_with_gamma_base_too(tmp_path):
     pre, finetuned, x, labels = _two_class_task()
-    masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
     flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
     correct = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
 
     def run(output_dir, max_steps, resume=None):
-        config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
-        model = get_peft_model(copy.deepcopy(pre), config)
+        model, start = planted_start(pre, finetuned)
         args = fast_args(
             output_dir, per_device_train_batch_size=512, max_steps=max_steps, learning_rate=1e4, num_entries=4,
             remove_unused_columns=False, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
@@ -208,12 +198,11 @@ def test_resumed_runs_compare_with_gamma_base_too(tmp_path):
         trainer = MaskTrainer(model=model, args=args, train_dataset=flipped, eval_dataset=correct,
                               compute_metrics=_accuracy)  # fmt: skip
         trainer.train(resume_from_checkpoint=resume)
-        return model.get_region(), trainer
+        return model.get_region(), start, trainer
 
-    start = get_peft_model(copy.deepcopy(pre), GraftConfig(finetuned=finetuned, region="given", given_region=masks))
     run(tmp_path / "a", 2)
-    region, trainer = run(tmp_path / "b", 4, resume=str(tmp_path / "a" / "out" / "checkpoint-2"))
-    assert trainer.mask_report["selected_step"] == 0 and region == start.get_region()
+    region, start, trainer = run(tmp_path / "b", 4, resume=str(tmp_path / "a" / "out" / "checkpoint-2"))
+    assert trainer.mask_report["selected_step"] == 0 and region == start
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,14 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
     assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
 
 
+def planted_start(pre: nn.Module, finetuned: nn.Module):
+    """A graft learning its region from gamma_base = the 4 planted entries (which solve the task); and that region."""
+    masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
+    config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
+    model = get_peft_model(copy.deepcopy(pre), config)
+    return model, model.get_region()
+
+
 def _accuracy(p):
     return {"accuracy": float(((p.predictions > 0) == p.label_ids).mean())}
 
@@ -102,10 +110,7 @@ def test_a_run_never_ends_worse_than_its_starting_mask(tmp_path, keep_best_mask)
     """gamma_base solves the task; training on flipped labels moves the mask away from it. With keep_best_mask the
     starting mask is a candidate, so the run returns it; without, the last (worse) mask."""
     pre, finetuned, x, labels = _probe_task()
-    masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
-    config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
-    model = get_peft_model(copy.deepcopy(pre), config)
-    start = model.get_region()
+    model, start = planted_start(pre, finetuned)
     flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
     correct = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
     args = fast_args(
