@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import get_peft_model
-from test_mask_trainer import Probe, _probe_task, planted_start
+from test_mask_trainer import Probe, _probe_task, planted_flipped_trainer
 from testing_utils import fast_args
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
@@ -124,19 +124,12 @@ def _planted_run(tmp_path, selection_alpha):
     """gamma_base is the planted region that solves the task. Mask training on flipped labels moves away from it,
     and the selection set is three examples whose labels are noise (flipped too): there the learned masks win 3-0,
     on held-out data they lose."""
-    pre, finetuned, x, labels = _two_class_task()
-    model, start = planted_start(pre, finetuned)
-    flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
+    task = _two_class_task()
+    x, labels = task[2], task[3]
     noisy_dev = Dataset.from_dict({"x": x[:3].tolist(), "labels": (1 - labels[:3]).tolist()})
     held_out = Dataset.from_dict({"x": x[3:].tolist(), "labels": labels[3:].tolist()})
-    args = fast_args(
-        tmp_path, per_device_train_batch_size=512, max_steps=4, learning_rate=1e4, num_entries=4,
-        remove_unused_columns=False, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
-        selection_alpha=selection_alpha,
-    )  # fmt: skip
-    trainer = MaskTrainer(
-        model=model, args=args, train_dataset=flipped, eval_dataset=noisy_dev, compute_metrics=_accuracy
-    )
+    trainer, start = planted_flipped_trainer(tmp_path, task, noisy_dev, _accuracy, selection_alpha=selection_alpha)
+    model = trainer.model
     start_accuracy = trainer.evaluate(held_out)["eval_accuracy"]
     trainer.train()
     return model.get_region() == start, trainer, start_accuracy, trainer.evaluate(held_out)["eval_accuracy"]
@@ -184,21 +177,15 @@ def test_train_plus_eval_selection_tests_both_sets_together(tmp_path):
 
 
 def test_resumed_runs_compare_with_gamma_base_too(tmp_path):
-    pre, finetuned, x, labels = _two_class_task()
-    flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
-    correct = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
+    task = _two_class_task()
+    correct = Dataset.from_dict({"x": task[2].tolist(), "labels": task[3].tolist()})
 
     def run(output_dir, max_steps, resume=None):
-        model, start = planted_start(pre, finetuned)
-        args = fast_args(
-            output_dir, per_device_train_batch_size=512, max_steps=max_steps, learning_rate=1e4, num_entries=4,
-            remove_unused_columns=False, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
-            save_strategy="steps", save_steps=2,
-        )  # fmt: skip
-        trainer = MaskTrainer(model=model, args=args, train_dataset=flipped, eval_dataset=correct,
-                              compute_metrics=_accuracy)  # fmt: skip
+        trainer, start = planted_flipped_trainer(
+            output_dir, task, correct, _accuracy, max_steps=max_steps, save_strategy="steps", save_steps=2
+        )
         trainer.train(resume_from_checkpoint=resume)
-        return model.get_region(), start, trainer
+        return trainer.model.get_region(), start, trainer
 
     run(tmp_path / "a", 2)
     region, start, trainer = run(tmp_path / "b", 4, resume=str(tmp_path / "a" / "out" / "checkpoint-2"))

@@ -93,12 +93,23 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
     assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
 
 
-def planted_start(pre: nn.Module, finetuned: nn.Module):
-    """A graft learning its region from gamma_base = the 4 planted entries (which solve the task); and that region."""
+def planted_flipped_trainer(tmp_path, task, eval_dataset, compute_metrics, **fields):
+    """A MaskTrainer learning from gamma_base = the 4 planted entries of ``task`` (``_probe_task``; they solve it) on
+    flipped labels, so that training moves the mask away from them, evaluated every step; and that starting region."""
+    pre, finetuned, x, labels = task
     masks = {"fc.weight": torch.arange(64).reshape(1, 64) < 4, "fc.bias": torch.zeros(1, dtype=torch.bool)}
     config = GraftConfig(finetuned=finetuned, region="given", given_region=masks, learn_region=True)
     model = get_peft_model(copy.deepcopy(pre), config)
-    return model, model.get_region()
+    flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
+    settings = dict(
+        per_device_train_batch_size=512, max_steps=4, learning_rate=1e4, num_entries=4, remove_unused_columns=False,
+        eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
+    )  # fmt: skip
+    args = fast_args(tmp_path, **{**settings, **fields})
+    trainer = MaskTrainer(
+        model=model, args=args, train_dataset=flipped, eval_dataset=eval_dataset, compute_metrics=compute_metrics
+    )
+    return trainer, model.get_region()
 
 
 def _accuracy(p):
@@ -109,18 +120,10 @@ def _accuracy(p):
 def test_a_run_never_ends_worse_than_its_starting_mask(tmp_path, keep_best_mask):
     """gamma_base solves the task; training on flipped labels moves the mask away from it. With keep_best_mask the
     starting mask is a candidate, so the run returns it; without, the last (worse) mask."""
-    pre, finetuned, x, labels = _probe_task()
-    model, start = planted_start(pre, finetuned)
-    flipped = Dataset.from_dict({"x": x.tolist(), "labels": (1 - labels).tolist()})
-    correct = Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()})
-    args = fast_args(
-        tmp_path, per_device_train_batch_size=512, max_steps=4, learning_rate=1e4, num_entries=4,
-        remove_unused_columns=False, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy",
-        keep_best_mask=keep_best_mask,
-    )  # fmt: skip
-    trainer = MaskTrainer(
-        model=model, args=args, train_dataset=flipped, eval_dataset=correct, compute_metrics=_accuracy
-    )
+    task = _probe_task()
+    correct = Dataset.from_dict({"x": task[2].tolist(), "labels": task[3].tolist()})
+    trainer, start = planted_flipped_trainer(tmp_path, task, correct, _accuracy, keep_best_mask=keep_best_mask)
+    model = trainer.model
     before = trainer.evaluate()["eval_accuracy"]
     trainer.train()
     after = trainer.evaluate()["eval_accuracy"]
