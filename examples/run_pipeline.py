@@ -43,6 +43,8 @@ from real_tasks import (
     smollm_dir,
 )
 
+from peft_graft.training.mask import check_selection_alpha
+
 logger = logging.getLogger("run_pipeline")
 
 # Region sizes of the learned grafts, as fractions of all parameters (the paper's 0.01% is 1e-4).
@@ -212,10 +214,9 @@ def _level_or_none(text: str) -> float | None:
         return None
     try:
         level = float(text)
-    except ValueError:
-        level = math.nan
-    if not 0.0 < level < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a level in (0, 1) or 'none'")
+        check_selection_alpha(level)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a level in (0, 1) or 'none'") from error
     return level
 
 

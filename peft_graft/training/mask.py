@@ -129,14 +129,16 @@ class MaskTrainingArguments(TrainingArguments):
                 f"learning_rate must be a finite number > 0, got {self.learning_rate}: the paper's mask training uses "
                 "1e7."
             )
-        if self.selection_alpha is not None and (
-            isinstance(self.selection_alpha, bool) or not (0.0 < self.selection_alpha < 1.0)
-        ):
-            raise ValueError(
-                f"selection_alpha must be a level in (0, 1) or None, got {self.selection_alpha!r} (e.g. 0.05)."
-            )
+        if self.selection_alpha is not None:
+            check_selection_alpha(self.selection_alpha)
         if not (self.l1_penalty >= 0.0) or math.isinf(self.l1_penalty):
             raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
+
+
+def check_selection_alpha(value: Any) -> None:
+    """``selection_alpha`` must be a level in (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"selection_alpha must be a level in (0, 1) or None, got {value!r} (e.g. 0.05).")
 
 
 class ScoreL1Penalty:
