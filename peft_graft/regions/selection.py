@@ -5,7 +5,7 @@ Every function returns exactly ``k`` entries with deterministic tie-breaking (by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -29,10 +29,13 @@ def global_top_k(
     ``sample_size`` entries gives a threshold that a few times ``k`` entries reach, one pass over the tensors (one
     at a time) collects the entries at or above it, and the exact top-k is taken among them. The result does not
     depend on the sample, which only decides how many entries are collected (if too few, every entry is).
+
+    Tensors are read through :func:`flat_pieces`, so a mapping that computes them (the movement of a checkpoint on
+    disk) can hand them over in pieces and never hold a whole one.
     """
     if k < 1:
         raise ValueError(f"The budget k must be at least 1, got {k}.")
-    total = sum(t.numel() for t in tensors.values())
+    total = sum(numel(tensors, name) for name in tensors)
     if k > total:
         raise ValueError(f"The budget k={k} exceeds the {total} eligible entries.")
     key = key or (lambda t: t)
@@ -56,11 +59,17 @@ def _sampled_threshold(
 
     The stride is odd, so it does not alias with the power-of-two row lengths of weight matrices.
     """
-    total = sum(t.numel() for t in tensors.values())
+    total = sum(numel(tensors, name) for name in tensors)
     if total <= 4 * sample_size:
         return -torch.inf
     stride = (total // sample_size) | 1
-    sample = torch.cat([key(t.detach().reshape(-1)[::stride].float()).cpu() for t in tensors.values()])
+    sample = torch.cat(
+        [
+            key(piece[-start % stride :: stride].float()).cpu()  # the entries of the tensor's flat index 0 mod stride
+            for name in tensors
+            for start, piece in flat_pieces(tensors, name)
+        ]
+    )
     rank = min(sample.numel(), 3 * -(-k * sample.numel() // total) + 32)  # 3x the expected sample hits, plus slack
     return float(torch.topk(sample, rank).values[-1])
 
@@ -74,18 +83,37 @@ def _entries_at_least(
     tensor-sized temporary.
     """
     scores, owners, indices = [], [], []
-    for i, tensor in enumerate(tensors.values()):
-        flat = tensor.detach().reshape(-1)
-        for start in range(0, flat.numel(), _CHUNK):
-            score = key(flat[start : start + _CHUNK])
-            index = (score >= lower).nonzero().reshape(-1)
-            scores.append(score[index].float())
-            indices.append(index + start)
-            owners.append(torch.full_like(index, i))
+    for i, name in enumerate(tensors):
+        for piece_start, piece in flat_pieces(tensors, name):
+            for start in range(0, piece.numel(), _CHUNK):
+                score = key(piece[start : start + _CHUNK])
+                index = (score >= lower).nonzero().reshape(-1)
+                scores.append(score[index].float())
+                indices.append(index + piece_start + start)
+                owners.append(torch.full_like(index, i))
     return torch.cat(scores).cpu(), torch.cat(owners).cpu(), torch.cat(indices).cpu()
 
 
 _CHUNK = 1 << 18
+
+
+def numel(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    """Number of entries of ``tensors[name]``, from the mapping's ``numel(name)`` when it has one (without computing
+    the tensor)."""
+    size = getattr(tensors, "numel", None)
+    return size(name) if callable(size) else tensors[name].numel()
+
+
+def flat_pieces(tensors: Mapping[str, torch.Tensor], name: str) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(flat start, piece)`` covering ``tensors[name].reshape(-1)`` in order: the mapping's ``pieces(name)`` when it
+    has one (e.g. :class:`peft_graft.scores.movement.Movement`, which computes one piece at a time), else views of
+    the tensor."""
+    pieces = getattr(tensors, "pieces", None)
+    if callable(pieces):
+        yield from pieces(name)
+        return
+    flat = tensors[name].detach().reshape(-1)
+    yield 0, flat
 
 
 def random_region(sizes: Mapping[str, int], k: int, seed: int) -> Region:

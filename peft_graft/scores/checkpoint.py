@@ -2,7 +2,8 @@
 
 A fine-tuned checkpoint is never loaded whole: :class:`StreamedCheckpoint` is a read-only mapping from parameter
 names to tensors whose lookups open the shard holding the tensor (closing the one open before, whose memory-mapped
-pages the system then drops) and copy that one tensor out. Read in shard order, each shard is opened once.
+pages the system then drops) and copy that one tensor out, or some rows of it (:meth:`StreamedCheckpoint.rows`).
+Read in shard order, each shard is opened once.
 """
 
 from __future__ import annotations
@@ -93,6 +94,14 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
         return self.rename.get(name, name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(self._key(name))
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``self[name][start:stop]``, reading only those rows (entries, for a 1-D tensor) from the file."""
+        return self._handle(name).get_slice(self._key(name))[start:stop]
+
+    def _handle(self, name: str):
+        """The open handle of the shard holding tensor ``name`` (closing the one open before)."""
         key = self._key(name)
         if key not in self._where:
             raise KeyError(name)
@@ -101,7 +110,7 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
             self.close()
             handle = safe_open(str(file), "pt")
             self._open = (file, handle.__enter__())
-        return self._open[1].get_tensor(key)
+        return self._open[1]
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._key(name) in self._where

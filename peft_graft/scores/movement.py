@@ -128,19 +128,54 @@ def eligible_tensors(
 
 def finetuned_tensor(state: Mapping[str, torch.Tensor], layout: Layout, name: str) -> torch.Tensor:
     """theta_ft of the tensor ``name``, found under any of its aliases, shape-checked."""
+    return state[_finetuned_key(state, layout, name)]
+
+
+def _finetuned_key(state: Mapping[str, torch.Tensor], layout: Layout, name: str) -> str:
+    """The alias under which ``state`` holds theta_ft of tensor ``name``, after checking its shape (from the file
+    header for a :class:`StreamedCheckpoint`, so nothing is read)."""
     info = layout.tensors[name]
-    tensor = next((state[a] for a in info.aliases if a in state), None)
-    if tensor is None:
+    key = next((a for a in info.aliases if a in state), None)
+    if key is None:
         raise ValueError(
             f"The fine-tuned model has no tensor {name!r} (aliases {list(info.aliases)}): is it fine-tuned from "
             "this pre-trained model?"
         )
-    if tuple(tensor.shape) != tuple(info.parameter.shape):
+    shape = state.shape(key) if isinstance(state, StreamedCheckpoint) else tuple(state[key].shape)
+    if tuple(shape) != tuple(info.parameter.shape):
         raise ValueError(
-            f"Tensor {name!r} has shape {tuple(tensor.shape)} in the fine-tuned model but "
+            f"Tensor {name!r} has shape {tuple(shape)} in the fine-tuned model but "
             f"{tuple(info.parameter.shape)} in the pre-trained model."
         )
-    return tensor
+    return key
+
+
+PIECE = 1 << 20  # entries of theta_ft read and differenced at once (4 MB of fp32): the movement's working memory
+
+
+def finetuned_pieces(
+    state: Mapping[str, torch.Tensor], layout: Layout, name: str, size: int | None = None
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(flat start, theta_pre piece, theta_ft piece)`` covering tensor ``name`` flattened, in order, in pieces of
+    whole rows of about ``size`` entries (:data:`PIECE` by default; one row at least).
+
+    From a :class:`StreamedCheckpoint` only those rows are read from the file, so no whole tensor of theta_ft is ever
+    in memory; from tensors in memory the pieces are views. theta_ft pieces are moved to theta_pre's device.
+    """
+    key, size = _finetuned_key(state, layout, name), size or PIECE
+    pre = layout.tensors[name].parameter.detach()
+    flat_pre = pre.reshape(-1)
+    if pre.dim() == 0 or not isinstance(state, StreamedCheckpoint):
+        flat_ft = state[key].detach().reshape(-1)
+        for start in range(0, flat_pre.numel(), size):
+            yield start, flat_pre[start : start + size], flat_ft[start : start + size].to(pre.device)
+        return
+    row = flat_pre.numel() // pre.shape[0] if pre.shape[0] else 1
+    rows = max(1, size // max(row, 1))
+    for first in range(0, pre.shape[0], rows):
+        piece = state.rows(key, first, first + rows).reshape(-1).to(pre.device)
+        start = first * row
+        yield start, flat_pre[start : start + piece.numel()], piece
 
 
 def compute_movement(
@@ -153,9 +188,11 @@ def compute_movement(
 class Movement(Mapping[str, torch.Tensor]):
     """``theta_ft - theta_pre`` (fp32, :func:`exact_delta`) of each tensor in ``names``, computed when looked up.
 
-    Only the tensor looked up last is kept, so a pass over the mapping holds one tensor of theta_ft and its movement
-    at a time, never a copy of the model; read in parameter order, a :class:`StreamedCheckpoint` opens each shard
-    once per pass. Sizes come from theta_pre (:meth:`numel`) without computing anything.
+    :meth:`pieces` computes a tensor's movement one piece of :data:`PIECE` entries at a time, and :meth:`gather` only
+    the pieces holding given entries: the region strategies (:func:`peft_graft.regions.global_top_k`) read it so, and
+    never hold a whole tensor of theta_ft or of its movement. A lookup computes a whole tensor (kept until the next
+    lookup). Read in parameter order, a :class:`StreamedCheckpoint` opens each shard once per pass. Sizes come from
+    theta_pre (:meth:`numel`) without computing anything.
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], layout: Layout, names: list[str]) -> None:
@@ -168,9 +205,30 @@ class Movement(Mapping[str, torch.Tensor]):
             raise KeyError(name)
         if self._last is None or self._last[0] != name:
             self._last = None  # free the previous tensor before computing the next
-            pre = self._layout.tensors[name].parameter.detach()
-            self._last = (name, exact_delta(pre, finetuned_tensor(self._state, self._layout, name).to(pre.device))[0])
+            pre = self._layout.tensors[name].parameter
+            delta = torch.empty(pre.shape, dtype=torch.float32, device=pre.device)
+            for start, piece in self.pieces(name):
+                delta.view(-1)[start : start + piece.numel()] = piece
+            self._last = (name, delta)
         return self._last[1]
+
+    def pieces(self, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(flat start, fp32 movement)`` covering tensor ``name`` flattened, one piece computed at a time."""
+        if name not in self._known:
+            raise KeyError(name)
+        for start, pre, finetuned in finetuned_pieces(self._state, self._layout, name):
+            yield start, exact_delta(pre, finetuned)[0]
+
+    def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """The fp32 movement of tensor ``name`` at the flat ``indices`` (any order), computed piece by piece."""
+        order = indices.argsort()
+        wanted = indices[order].to(torch.int64)
+        out = torch.empty(wanted.numel(), dtype=torch.float32, device=indices.device)
+        for start, piece in self.pieces(name):
+            low, high = torch.searchsorted(wanted, torch.tensor([start, start + piece.numel()], device=wanted.device))
+            if high > low:
+                out[order[low:high]] = piece[wanted[low:high] - start].to(out.device)
+        return out
 
     def __contains__(self, name: object) -> bool:
         return name in self._known
@@ -191,29 +249,33 @@ def exact_movement(
 ) -> tuple[Movement, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """The movement ``theta_ft - theta_pre`` (fp32) of each tensor in ``names``, and what no fp32 delta reproduces.
 
-    One pass over the tensors checks theta_ft (finite), finds which tensors moved and the entries no fp32 delta
-    reproduces; the movement itself is a :class:`Movement`, computed again when read. Each delta is that of
-    :func:`exact_delta`: ``(theta_pre.float() + delta).to(dtype)`` is ``theta_ft`` bit for bit wherever an fp32 delta
-    can give it. The second dict holds, per tensor, the sorted flat indices where none can (typically entries that
-    fine-tuning shrank towards 0, whose delta is far larger than their value) and theta_ft there as fp32. Unmoved
-    tensors are dropped if ``only_moved``.
+    One pass over the tensors, piece by piece (:func:`finetuned_pieces`), checks theta_ft (finite), finds which
+    tensors moved and the entries no fp32 delta reproduces; the movement itself is a :class:`Movement`, computed again
+    when read. Each delta is that of :func:`exact_delta`: ``(theta_pre.float() + delta).to(dtype)`` is ``theta_ft``
+    bit for bit wherever an fp32 delta can give it. The second dict holds, per tensor, the sorted flat indices where
+    none can (typically entries that fine-tuning shrank towards 0, whose delta is far larger than their value) and
+    theta_ft there as fp32. Unmoved tensors are dropped if ``only_moved``.
     """
     kept, unreachable = [], {}
     for name in names:
-        pre = layout.tensors[name].parameter.detach()
-        finetuned = finetuned_tensor(state, layout, name).detach().to(pre.device)
-        delta, missed = exact_delta(pre, finetuned)
-        low, high = torch.aminmax(delta)  # one pass: both are 0 only if nothing moved
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            bad = (~torch.isfinite(delta)).sum().item()
+        moved, bad, missed_at, missed_ft = False, 0, [], []
+        for start, pre, finetuned in finetuned_pieces(state, layout, name):
+            delta, missed = exact_delta(pre, finetuned)
+            finite = torch.isfinite(delta)
+            if not finite.all():
+                bad += int((~finite).sum())
+            moved = moved or bool(delta.any()) or bool(missed.any())
+            if missed.any():
+                flat = missed.nonzero().reshape(-1)
+                missed_at.append(flat + start)
+                missed_ft.append(finetuned[flat].to(pre.dtype).float())
+        if bad:
             raise ValueError(f"theta_ft - theta_pre has {bad} NaN or inf entries in tensor {name!r}.")
-        del delta
-        if only_moved and low == 0 and high == 0 and not missed.any():
+        if only_moved and not moved:
             continue
         kept.append(name)
-        if missed.any():
-            flat = missed.reshape(-1).nonzero().reshape(-1)
-            unreachable[name] = (flat, finetuned.to(pre.dtype).reshape(-1)[flat].float())
+        if missed_at:
+            unreachable[name] = (torch.cat(missed_at), torch.cat(missed_ft))
     return Movement(state, layout, kept), unreachable
 
 

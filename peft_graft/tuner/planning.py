@@ -18,7 +18,14 @@ from torch import nn
 from ..parameter_layout import NO_ENTRIES, Layout, peft_free_name
 from ..regions import Region, RegionRequest, choose_region, top_k_movement
 from ..scores.checkpoint import StreamedCheckpoint
-from ..scores.movement import eligible_tensors, exact_movement, finetuned_tensor, is_saved_whole, load_finetuned
+from ..scores.movement import (
+    Movement,
+    eligible_tensors,
+    exact_movement,
+    finetuned_tensor,
+    is_saved_whole,
+    load_finetuned,
+)
 from .config import GraftConfig
 
 
@@ -78,7 +85,7 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
     request = RegionRequest(movement, config.budget, layout, config.seed, config._given_region, config._region_scores)
     region = choose_region(config.region, request)
     plan = Plan(layout)
-    plan.regions = _by_module(layout, {n: (idx, movement[n].reshape(-1)[idx]) for n, idx in region.items()})
+    plan.regions = _by_module(layout, {n: (idx, movement.gather(n, idx)) for n, idx in region.items()})
     plan.unreachable = _by_module(layout, unreachable)
     if config.learn_region and config.searches_subset:
         _plan_search_space(plan, config, movement, region)
@@ -130,12 +137,12 @@ def _plan_dense_learning(plan: Plan, movement: Mapping[str, torch.Tensor]) -> No
         plan.regions.setdefault(module, NO_ENTRIES)
 
 
-def _plan_search_space(plan: Plan, config: GraftConfig, movement: Mapping[str, torch.Tensor], region: Region) -> None:
+def _plan_search_space(plan: Plan, config: GraftConfig, movement: Movement, region: Region) -> None:
     """S on the search space only: the top movement entries (``search_fraction``/``search_entries``) plus the region."""
     layout = plan.layout
     size = config.search_space_size(sum(layout.tensors[name].parameter.numel() for name in movement))
     chosen = top_k_movement(movement, size) | region
-    values = {name: movement[name].reshape(-1)[chosen[name]].float() for name in movement if name in chosen}
+    values = {name: movement.gather(name, chosen[name]) for name in movement if name in chosen}
     for module in sorted({layout.tensors[name].module for name in chosen}):
         space = layout.index_space(module)
         names = [layout.by_site[(module, attr)].name for attr in layout.stored[module]]
