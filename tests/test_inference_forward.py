@@ -94,3 +94,81 @@ def test_loading_new_values_into_an_adapter_is_seen_by_the_next_forward(monkeypa
     assert not torch.equal(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch), expected)
     set_peft_model_state_dict(model, get_peft_model_state_dict(other))
     assert torch.equal(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch), expected)
+
+
+def _graft_layers(model) -> list:
+    return list(model.base_model.graft_layers().values())
+
+
+def _scale(model):
+    model.set_scale(0.5, "default")
+
+
+def _write_values(model):
+    with torch.no_grad():
+        for layer in _graft_layers(model):
+            if "default" in layer.graft_values:
+                layer.graft_values["default"].mul_(-1)
+
+
+def _write_base_through_data(model):
+    for name, param in model.named_parameters():
+        if "base_layer" in name:
+            param.data.mul_(0.5)  # .data: no version counter moves; the originals are read at every forward
+
+
+def _switch_adapter(model):
+    _, finetuned, task_type = make_pair("bert_cls", seed=5)
+    model.add_adapter("other", GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type))
+    model.set_adapter("other")
+
+
+def _float64(model):
+    model.double()
+
+
+@pytest.mark.parametrize("change", [_scale, _write_values, _write_base_through_data, _switch_adapter, _float64])
+def test_the_kept_plan_follows_every_change(monkeypatch, change):
+    """Each layer keeps its in-place plan between forwards (found once, reused while its inputs stay); a change of
+    scale, entry values, base values, active adapters or dtype gives the functional forward's output at once."""
+    _, _, _, model = graft("bert_cls")
+    ids = input_ids()
+    before = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
+    plans = [layer._in_place_plan for layer in _graft_layers(model)]
+    assert all(plan is not None for plan in plans)
+    assert torch.equal(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch), before)
+    assert [layer._in_place_plan for layer in _graft_layers(model)] == plans  # reused, not rebuilt
+    change(model)
+    fast = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
+    assert not torch.equal(fast, before.to(fast.dtype))
+    assert torch.equal(fast, outputs(model, grad=False, in_place=False, monkeypatch=monkeypatch))
+    with torch.no_grad():
+        assert torch.equal(fast, copy.deepcopy(model).merge_and_unload()(input_ids=ids).logits)
+
+
+def test_no_plan_is_kept_while_a_region_is_learned(monkeypatch):
+    """A learning adapter's hard region (MaskTrainer's evaluation) changes with S: the plan is built at each forward."""
+    pre, finetuned, task_type = make_pair("bert_cls")
+    config = GraftConfig(finetuned=finetuned, sparsity=0.05, learn_region=True, task_type=task_type)
+    model = get_peft_model(clone_model(pre), config).eval()
+    layers = [layer for layer in _graft_layers(model) if layer.learner("default") is not None]
+    outputs_by_region = []
+    for entries in ("kept", "none"):
+        for layer in layers:
+            learner = layer.learner("default")
+            learner.hard = learner.harden() if entries == "kept" else (learner.hard[0][:0], learner.hard[1][:0])
+        outputs_by_region.append(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch))
+        assert all(layer._in_place_plan is None for layer in layers)
+        assert torch.equal(outputs_by_region[-1], outputs(model, grad=False, in_place=False, monkeypatch=monkeypatch))
+    assert not torch.equal(*outputs_by_region)
+
+
+def test_deleting_an_adapter_drops_the_plan():
+    _, finetuned, task_type, model = graft("bert_cls")
+    model.add_adapter("other", GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type))
+    model.base_model.set_adapter("other")
+    with torch.no_grad():
+        model(input_ids=input_ids())
+    model.base_model.set_adapter("default")
+    model.delete_adapter("other")
+    assert all(layer._in_place_plan is None for layer in _graft_layers(model))

@@ -15,6 +15,8 @@ from torch.nn import functional as F
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from .autograd import RecomputeSoftParameters
+from .entries import SparseEntries, entries_of, graft_entries
+from .in_place import InPlacePlan, InPlaceWrite, tensor_dict
 from .learning import RegionLearner
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
@@ -70,6 +72,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.awaiting_entries: set[str] = set()  # adapters created empty by update_layer, not yet checked once filled
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
         self._entries_cache: dict[tuple[str, str], tuple[tuple, SparseEntries | None]] = {}  # see _sparse_entries
+        self._in_place_plan: InPlacePlan | None = None  # see _forward_in_place
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
         self._disable_adapters = False
         self.merged_adapters = []
@@ -256,7 +259,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         stamp = tuple((t.data_ptr(), t._version, t.device) for t in (indices, values, *exact))
         cached = self._entries_cache.get((adapter_name, attr))
         if cached is None or cached[0] != stamp:
-            cached = (stamp, _entries_of(self.space, indices, values, exact, attr))
+            cached = (stamp, entries_of(self.space, indices, values, exact, attr))
             self._entries_cache[(adapter_name, attr)] = cached
         return cached[1]
 
@@ -330,7 +333,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """The sparse entries of tensor ``attr`` (of the rounded region while one is being learned)."""
         learner = self.learner(adapter_name)
         if learner is not None and learner.hard is not None:
-            return _entries_of(self.space, *learner.hard, learner.exact_at(learner.hard[0]), attr)
+            return entries_of(self.space, *learner.hard, learner.exact_at(learner.hard[0]), attr)
         if adapter_name not in self.graft_values:
             return None
         self.check_base(adapter_name)
@@ -381,6 +384,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return overrides
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if GRAFT_IN_PLACE_INFERENCE and not torch.is_grad_enabled() and not self.disable_adapters and not self.merged:
+            plan = self._in_place_plan
+            if plan is not None and plan.is_current(tuple(self.active_adapters)):
+                return plan.run(self.base_layer, args, kwargs)
         sharded = _refuse_sharded(self.base_layer, self.stored_attrs)
         if self.disable_adapters:
             if self.merged:
@@ -430,27 +437,34 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _forward_in_place(self, args: tuple, kwargs: dict) -> Any:
         """Inference without autograd: write the grafted entries into the base tensors, run the base forward, and
         write the originals back (also on an error). Costs O(entries) instead of a copy of every grafted tensor; the
-        base forward sees exactly the values :meth:`effective_parameters` would give it."""
-        plan = []  # every contribution first: each checks theta_pre (verify_base) before anything is written
+        base forward sees exactly the values :meth:`effective_parameters` would give it.
+
+        The plan (which entries, their deltas, scales) is built here, with every check (``verify_base``) done before
+        anything is written, and kept for later forwards while nothing it was built from changes
+        (:class:`~peft_graft.tuner.in_place.InPlacePlan`); not while an adapter learns its region, whose rounded
+        region changes with S."""
+        adapters = tuple(self.active_adapters)
+        writes: list[InPlaceWrite] = []
+        plan = InPlacePlan(writes, adapters)
+        learning = False
         for attr, (layer, source_attr) in self._sources().items():
-            for adapter_name in self.active_adapters:
+            plan.watch(self.base_layer._parameters, attr)
+            for adapter_name in adapters:
+                learning = learning or layer.is_learning(adapter_name)
                 contribution = layer._contribution(adapter_name, source_attr)
                 if contribution is not None:
-                    plan.append((attr, contribution, layer.get_scale(adapter_name)))
-        saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        written: set[str] = set()  # tensors an earlier adapter changed: theta_pre no longer sits there
-        try:
-            for attr, contribution, scale in plan:
-                flat = getattr(self.base_layer, attr).data.view(-1)
-                indices = contribution[0]
-                original = flat[indices]
-                saved.append((flat, indices, original))
-                flat[indices] = graft_entries(original, contribution, attr not in written, scale)
-                written.add(attr)
-            return self.base_layer(*args, **kwargs)
-        finally:
-            for flat, indices, original in reversed(saved):
-                flat[indices] = original
+                    first = all(write[0] != attr for write in writes)  # theta_pre still sits there
+                    writes.append((attr, contribution, layer.get_scale(adapter_name), first))
+                for container in (layer.graft_indices, layer.graft_values, *layer._exact_containers):
+                    plan.watch(tensor_dict(container), adapter_name)
+                plan.scales.append((layer.scaling, adapter_name, layer.get_scale(adapter_name)))
+                plan.learning.append((layer.graft_learning._modules, adapter_name))
+        self._in_place_plan = None if learning else plan
+        return plan.run(self.base_layer, args, kwargs)
+
+    @property
+    def _exact_containers(self) -> tuple[BufferDict, BufferDict]:
+        return self.graft_exact_positions, self.graft_exact_values
 
     def _row_learning_adapter(self) -> str | None:
         """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
@@ -577,54 +591,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.verify_base.pop(adapter_name, None)
         self.awaiting_entries.discard(adapter_name)
         self.scaling.pop(adapter_name, None)
+        self._in_place_plan = None  # frees the deleted adapter's tensors
 
     def __repr__(self) -> str:
         return "graft." + super().__repr__()
-
-
-SparseEntries = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-"""``(local flat indices, fp32 deltas, (positions among them, theta_ft there))`` of one tensor."""
-
-
-def _entries_of(
-    space: FlatIndexSpace,
-    indices: torch.Tensor,
-    values: torch.Tensor,
-    exact: tuple[torch.Tensor, torch.Tensor],
-    attr: str,
-) -> SparseEntries | None:
-    """The entries of the sorted flat ``indices`` that fall in tensor ``attr``, or ``None``; ``exact`` holds positions
-    among all ``indices``."""
-    for name, local, position in space.split(indices):
-        if name == attr:
-            positions, targets = exact
-            if positions.numel():
-                inside = (positions >= position.start) & (positions < position.stop)
-                exact = (positions[inside].to(torch.int64) - position.start, targets[inside])
-            return local, values[position], exact
-    return None
-
-
-def graft_entries(current: torch.Tensor, entries: SparseEntries, first: bool, scale: float = 1.0) -> torch.Tensor:
-    """The values at the entries once grafted, from ``current`` (a tensor's values there), in its dtype:
-    ``(current.float() + delta).to(dtype)``, and theta_ft itself at the exact entries when this is the first adapter
-    applied to the tensor (still theta_pre there).
-
-    With ``scale`` a != 1: ``current.float() + a * delta``, and ``theta_pre + a * (theta_ft - theta_pre)`` (fp32) at
-    the exact entries. ``a == 1`` takes the unscaled path, so that it stays bit-exact."""
-    _, values, (positions, targets) = entries
-    if scale == 1.0:
-        grafted = current.float() + values
-        if first and positions.numel():
-            grafted = grafted.index_put((positions.to(grafted.device),), targets.to(grafted.device))
-        return grafted.to(current.dtype)
-    base = current.float()
-    grafted = base + scale * values
-    if first and positions.numel():
-        positions = positions.to(device=grafted.device, dtype=torch.int64)
-        pre = base[positions]
-        grafted = grafted.index_put((positions,), pre + scale * (targets.to(grafted.device) - pre))
-    return grafted.to(current.dtype)
 
 
 def check_scale(scale: object, name: str = "scale") -> float:
