@@ -9,7 +9,9 @@ Figures (protocol and results in BENCHMARKS.md):
 - ``disk``: bytes per grafted entry of ``adapter_model.safetensors``, header excluded.
 - ``switch``: switching between two loaded grafts of 12,500 entries: ``set_adapter`` (unmerged inference) and
   unmerge + merge (merged inference).
-- ``forward``: forward latency of the merged graft over the base model (batch 4 x 32), alternating, median.
+- ``forward``: forward latency (batch 4 x 32, ``inference_mode``) against the base model's: an unmerged graft; two
+  unmerged grafts served in turn (``set_adapter`` before each forward, timed with it); a merged graft. Each forward is
+  timed right after one of the base model, and the figure is the median (and quartiles) of those pairs' ratios.
 
 Usage: ``python benchmarks/bench_graft.py [--parts topk disk switch forward] [--repeats 15]``
 """
@@ -198,34 +200,55 @@ def part_forward(repeats: int) -> dict:
     from peft import get_peft_model
 
     pre, finetuned = make_pair()
+    _, finetuned_b = make_pair(seed=7)
     base = RobertaForSequenceClassification(pre.config).eval()
     base.load_state_dict(pre.state_dict())
     model = get_peft_model(pre, graft_config(finetuned)).eval()
+    model.add_adapter("b", graft_config(finetuned_b))
     ids = torch.randint(3, pre.config.vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    names, state = ["default", "b"], {"i": 0}
 
     def forward(m):
         with torch.inference_mode():
             m(input_ids=ids)
 
-    unmerged, merged, plain = [], [], []
-    forward(model)
+    def switch_and_forward():  # serving two grafts in turn: set_adapter before every batch
+        state["i"] ^= 1
+        model.set_adapter(names[state["i"]])
+        forward(model)
+
+    plain, unmerged, switching = [], [], []
+    switch_and_forward()
+    switch_and_forward()
     forward(base)
-    for _ in range(repeats):  # alternate: base, unmerged graft, base, merged graft
+    for _ in range(repeats):  # alternate: base, unmerged graft, base, switching graft
         plain.extend(timed(lambda: forward(base), 1))
         unmerged.extend(timed(lambda: forward(model), 1))
+        plain.extend(timed(lambda: forward(base), 1))
+        switching.extend(timed(switch_and_forward, 1))
+    model.set_adapter("default")
     model.merge_adapter()
     forward(model)
-    plain_merged = []
+    plain_merged, merged = [], []
     for _ in range(repeats):
         plain_merged.extend(timed(lambda: forward(base), 1))
         merged.extend(timed(lambda: forward(model), 1))
     return {
-        "base_forward_ms": round(1e3 * statistics.median(plain_merged), 2),
-        "merged_graft_forward_ms": round(1e3 * statistics.median(merged), 2),
-        "merged_over_base": round(statistics.median(merged) / statistics.median(plain_merged), 3),
+        "base_forward_ms": round(1e3 * statistics.median(plain), 2),
         "unmerged_graft_forward_ms": round(1e3 * statistics.median(unmerged), 2),
-        "unmerged_over_base": round(statistics.median(unmerged) / statistics.median(plain), 3),
+        "switching_graft_forward_ms": round(1e3 * statistics.median(switching), 2),
+        "merged_graft_forward_ms": round(1e3 * statistics.median(merged), 2),
+        **paired_ratios("unmerged_over_base", unmerged, plain[0::2]),
+        **paired_ratios("switching_over_base", switching, plain[1::2]),
+        **paired_ratios("merged_over_base", merged, plain_merged),
     }
+
+
+def paired_ratios(name: str, times: list[float], base_times: list[float]) -> dict:
+    """The median and quartiles of ``time / base time`` over pairs measured back to back: the load of the machine
+    drifts over a run (base forwards of 150 to 210 ms), and a ratio of medians would carry that drift."""
+    quartiles = statistics.quantiles([t / b for t, b in zip(times, base_times, strict=True)], n=4)
+    return {name: round(quartiles[1], 3), f"{name}_quartiles": [round(quartiles[0], 3), round(quartiles[2], 3)]}
 
 
 PARTS = {"topk": part_topk, "disk": part_disk, "switch": part_switch, "forward": part_forward}

@@ -13,6 +13,7 @@ from testing_utils import clone_model, input_ids, make_pair
 
 import peft_graft.tuner.layer as graft_layer
 from peft_graft import GraftConfig, Region
+from peft_graft.tuner.in_place import InPlacePlan
 
 
 def graft(arch: str):
@@ -25,16 +26,28 @@ def state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def outputs(model, grad: bool, in_place: bool, monkeypatch) -> torch.Tensor:
+def outputs(model, grad: bool, in_place: bool, monkeypatch, entry: str = "peft model") -> torch.Tensor:
+    """The logits of ``model``'s forward, called through the peft model (whose graft model writes every layer's
+    entries once, ``in_place.written_in_place``, when a task type routes it there) or through the base model (each
+    layer writes its own)."""
     monkeypatch.setattr(graft_layer, "GRAFT_IN_PLACE_INFERENCE", in_place)
+    call = model if entry == "peft model" else model.get_base_model()
     with torch.set_grad_enabled(grad):
-        return model(input_ids=input_ids()).logits.detach()
+        return call(input_ids=input_ids()).logits.detach()
 
 
-def test_in_place_inference_equals_the_functional_forward(arch, monkeypatch):
-    _, _, _, model = graft(arch)
+def _per_layer_writes_refused(*args, **kwargs):
+    raise AssertionError("a layer wrote its own entries inside the graft model's forward")
+
+
+@pytest.mark.parametrize("entry", ["peft model", "base model"])
+def test_in_place_inference_equals_the_functional_forward(arch, monkeypatch, entry):
+    _, _, task_type, model = graft(arch)
     before = state(model)
-    fast = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
+    with monkeypatch.context() as patch:
+        if entry == "peft model" and task_type:  # the task's peft model calls the graft model's forward
+            patch.setattr(InPlacePlan, "run", _per_layer_writes_refused)
+        fast = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch, entry=entry)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # written back, bit for bit
     assert torch.equal(fast, outputs(model, grad=False, in_place=False, monkeypatch=monkeypatch))
     assert torch.equal(fast, outputs(model, grad=True, in_place=True, monkeypatch=monkeypatch))  # autograd: functional
@@ -56,12 +69,29 @@ def test_two_active_adapters_and_a_scale(monkeypatch, scale):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_an_error_in_the_base_forward_still_writes_the_originals_back(monkeypatch):
+@pytest.mark.parametrize("entry", ["peft model", "base model"])
+def test_an_error_in_the_base_forward_still_writes_the_originals_back(entry):
     _, _, _, model = graft("bert_cls")
     before = state(model)
+    call = model if entry == "peft model" else model.get_base_model()
     with torch.no_grad(), pytest.raises(IndexError):
-        model(input_ids=torch.full((1, 4), 10_000))  # beyond the vocabulary: the embedding lookup fails
+        call(input_ids=torch.full((1, 4), 10_000))  # beyond the vocabulary: the embedding lookup fails
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(layer.written_by_model for layer in _graft_layers(model))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # tied input and output embeddings: written once
+def test_generate_writes_the_entries_once_and_gives_the_merged_models_tokens(arch, monkeypatch):
+    _, _, _, model = graft(arch)
+    before = state(model)
+    kwargs = dict(input_ids=input_ids(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(InPlacePlan, "run", _per_layer_writes_refused)  # written once for the whole generation
+        tokens = model.generate(**kwargs)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    monkeypatch.setattr(graft_layer, "GRAFT_IN_PLACE_INFERENCE", False)
+    assert torch.equal(tokens, model.generate(**kwargs))
+    assert torch.equal(tokens, copy.deepcopy(model).merge_and_unload().generate(**kwargs))
 
 
 def test_a_second_adapter_applies_its_exact_entries_as_the_functional_forward_does(monkeypatch):
@@ -134,10 +164,9 @@ def test_the_kept_plan_follows_every_change(monkeypatch, change):
     _, _, _, model = graft("bert_cls")
     ids = input_ids()
     before = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
-    plans = [layer._in_place_plan for layer in _graft_layers(model)]
-    assert all(plan is not None for plan in plans)
+    plans = [layer._in_place_plans[("default",)] for layer in _graft_layers(model)]
     assert torch.equal(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch), before)
-    assert [layer._in_place_plan for layer in _graft_layers(model)] == plans  # reused, not rebuilt
+    assert [layer._in_place_plans[("default",)] for layer in _graft_layers(model)] == plans  # reused, not rebuilt
     change(model)
     fast = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
     assert not torch.equal(fast, before.to(fast.dtype))
@@ -158,17 +187,41 @@ def test_no_plan_is_kept_while_a_region_is_learned(monkeypatch):
             learner = layer.learner("default")
             learner.hard = learner.harden() if entries == "kept" else (learner.hard[0][:0], learner.hard[1][:0])
         outputs_by_region.append(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch))
-        assert all(layer._in_place_plan is None for layer in layers)
+        assert all(not layer._in_place_plans for layer in layers)
         assert torch.equal(outputs_by_region[-1], outputs(model, grad=False, in_place=False, monkeypatch=monkeypatch))
     assert not torch.equal(*outputs_by_region)
 
 
-def test_deleting_an_adapter_drops_the_plan():
-    _, finetuned, task_type, model = graft("bert_cls")
+def test_switching_adapters_finds_each_plan_again_and_deleting_one_drops_them(monkeypatch):
+    _, _, _, model = graft("bert_cls")
+    _, finetuned, task_type = make_pair("bert_cls", seed=5)
     model.add_adapter("other", GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type))
-    model.base_model.set_adapter("other")
-    with torch.no_grad():
-        model(input_ids=input_ids())
-    model.base_model.set_adapter("default")
+    by_adapter, plans = {}, {}
+    for name in ("default", "other"):
+        model.set_adapter(name)
+        by_adapter[name] = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
+        plans[name] = [layer._in_place_plans[(name,)] for layer in _graft_layers(model)]
+    for name in ("default", "other", "default"):
+        model.set_adapter(name)
+        assert torch.equal(outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch), by_adapter[name])
+        assert [layer._in_place_plans[(name,)] for layer in _graft_layers(model)] == plans[name]
+    assert not torch.equal(by_adapter["default"], by_adapter["other"])
     model.delete_adapter("other")
-    assert all(layer._in_place_plan is None for layer in _graft_layers(model))
+    assert all(not layer._in_place_plans for layer in _graft_layers(model))
+
+
+def test_a_kept_plan_does_not_keep_replaced_weights_alive(monkeypatch):
+    """A plan holds no base tensor: weights replaced after a forward (a new parameter, as a load with assign=True does)
+    are freed, and the next forward uses the new ones."""
+    import gc
+    import weakref
+
+    _, _, _, model = graft("bert_cls")
+    outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
+    layer = next(layer for layer in _graft_layers(model) if type(layer.base_layer).__name__ == "Linear")
+    old = weakref.ref(layer.base_layer.weight)
+    layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach() * 2)
+    gc.collect()
+    assert old() is None
+    fast = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
+    assert torch.equal(fast, outputs(model, grad=False, in_place=False, monkeypatch=monkeypatch))

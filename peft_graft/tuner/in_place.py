@@ -1,16 +1,22 @@
 """Unmerged inference without autograd: a graft layer's entries written into the base tensors around the base forward.
 
-A layer builds an :class:`InPlacePlan` once (finding its entries per tensor and checking the base, see
-``GraftLayer._forward_in_place``) and reuses it while nothing it was built from changes, so serving a graft costs the
-base forward plus a few tensor operations per grafted tensor. :meth:`InPlacePlan.is_current` finds each tensor the
-plan was built from in the dict of the module holding it (``_parameters``, ``_buffers``: a lookup that costs a tenth
-of a module attribute's) and compares object, storage and version; with the active adapters, their scales and
+A layer builds an :class:`InPlacePlan` once per set of active adapters (finding its entries per tensor and checking
+the base, see ``GraftLayer.in_place_plan``) and reuses it while nothing it was built from changes, so serving grafts
+costs the base forward plus a few tensor operations per grafted tensor. :meth:`InPlacePlan.is_current` finds each
+tensor the plan was built from in the dict of the module holding it (``_parameters``, ``_buffers``: a lookup that
+costs a tenth of a module attribute's) and compares object, storage and version; with the adapters' scales and
 learning state, that covers every way the plan's inputs change: ``set_region``, loads (in place or by assignment),
-device and dtype moves, FSDP's substitutions.
+device and dtype moves, FSDP's substitutions. A plan holds the (small) entry tensors it watches, so their ids stay
+theirs, but only the id and storage address of a base tensor, so a stale plan never keeps a model's weights alive.
+
+The graft model's forward and ``generate`` write every layer's plan once around the whole model
+(:func:`written_in_place`); a layer called otherwise writes its own around its base layer (:meth:`InPlacePlan.run`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +25,9 @@ from torch import nn
 
 from .entries import SparseEntries, graft_entries
 
-InPlaceWrite = tuple[str, SparseEntries, float, bool]
-"""``(tensor attribute, its entries, scale, whether theta_pre still sits there)``: one adapter's write."""
+InPlaceWrite = tuple[dict, str, SparseEntries, float, bool]
+"""``(the base layer's parameter dict, tensor attribute, its entries, scale, whether theta_pre still sits there)``:
+one adapter's write."""
 
 
 @dataclass
@@ -28,55 +35,112 @@ class InPlacePlan:
     """The writes of one layer's unmerged forward, and what they were built from."""
 
     writes: list[InPlaceWrite]
-    adapters: tuple[str, ...]
-    # (dict holding it, key, the object or None, its (data_ptr, version)): base tensors and entry tensors
-    watched: list[tuple[dict, str, torch.Tensor | None, tuple[int, int]]] = field(default_factory=list)
+    # (dict holding it, key, the entry tensor, its data_ptr, its version)
+    watched: list[tuple[dict, str, torch.Tensor, int, int]] = field(default_factory=list)
+    bases: list[tuple[dict, str, int, int]] = field(default_factory=list)  # (dict, key, id, data_ptr): base tensors
+    absent: list[tuple[dict, str]] = field(default_factory=list)  # entry tensors an adapter does not have
     scales: list[tuple[dict, str, float]] = field(default_factory=list)  # (layer.scaling, adapter, scale)
     learning: list[tuple[dict, str]] = field(default_factory=list)  # (graft_learning's modules, adapter)
 
     def watch(self, owner: dict, key: str) -> None:
-        """Record ``owner[key]`` (possibly absent) as an input of the plan."""
+        """Record the entry tensor ``owner[key]`` (possibly absent) as an input of the plan."""
         tensor = owner.get(key)
-        self.watched.append(
-            (owner, key, tensor, *((tensor.data_ptr(), tensor._version) if tensor is not None else (0, 0)))
-        )
+        if tensor is None:
+            self.absent.append((owner, key))
+        else:
+            self.watched.append((owner, key, tensor, tensor.data_ptr(), tensor._version))
 
-    def is_current(self, adapters: tuple[str, ...]) -> bool:
-        """Whether the plan still holds for ``adapters`` (the active ones): no input was replaced or written."""
-        if adapters != self.adapters:
-            return False
+    def watch_base(self, owner: dict, key: str) -> None:
+        """Record the base tensor ``owner[key]`` as an input of the plan (its values are read at every write)."""
+        tensor = owner[key]
+        self.bases.append((owner, key, id(tensor), tensor.data_ptr()))
+
+    def is_current(self) -> bool:
+        """Whether the plan still holds: no input was replaced or written, no scale or learning state changed."""
         for owner, key, tensor, data_ptr, version in self.watched:
-            now = owner.get(key)
-            if now is not tensor or (
-                tensor is not None and (tensor._version, tensor.data_ptr()) != (version, data_ptr)
-            ):
+            if owner.get(key) is not tensor or tensor._version != version or tensor.data_ptr() != data_ptr:
                 return False
-        return all(owner.get(key, 1.0) == scale for owner, key, scale in self.scales) and not any(
-            key in owner for owner, key in self.learning
+        for owner, key, identity, data_ptr in self.bases:
+            tensor = owner.get(key)
+            if id(tensor) != identity or tensor.data_ptr() != data_ptr:
+                return False
+        return (
+            all(key not in owner for owner, key in self.absent)
+            and all(owner.get(key, 1.0) == scale for owner, key, scale in self.scales)
+            and all(key not in owner for owner, key in self.learning)
         )
 
     def run(self, base_layer: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The base forward with the entries written into the base tensors, which get their originals back after it
-        (also on an error).
-
-        Writes go through ``.data``, so the parameters' version counters (autograd's) do not move; the originals are
-        read at every call, so the result follows whatever the base tensors hold."""
-        saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        (also on an error)."""
+        saved: list[Saved] = []
         try:
-            for attr, entries, scale, first in self.writes:
-                flat, indices = getattr(base_layer, attr).data.view(-1), entries[0]
-                original = flat.take(indices)
-                saved.append((flat, indices, original))
-                flat.put_(indices, graft_entries(original, entries, first, scale))
+            self.write(saved)
             return base_layer(*args, **kwargs)
         finally:
-            for flat, indices, original in reversed(saved):
-                flat.put_(indices, original)
+            restore(saved)
+
+    def write(self, saved: list[Saved], written: set[int] | None = None) -> None:
+        """Write the grafted entries into the base tensors, appending the originals to ``saved`` as it goes (so
+        :func:`restore` undoes exactly what was written, even after an error); a tensor whose id is in ``written``
+        already holds them (a tied tensor written by another layer's plan) and is left alone. Adds the ids of the
+        tensors it writes to ``written``.
+
+        Writes go through ``.data``, so the parameters' version counters (autograd's) do not move; the originals are
+        read at every call, so the result follows whatever the base tensors hold. ``take`` and ``put_`` index a tensor
+        as flat."""
+        before = set() if written is None else set(written)
+        for parameters, attr, entries, scale, first in self.writes:
+            parameter = parameters[attr]
+            if id(parameter) in before:
+                continue
+            data, indices = parameter.data, entries[0]
+            original = data.take(indices)
+            saved.append((data, indices, original))
+            data.put_(indices, graft_entries(original, entries, first, scale))
+            if written is not None:
+                written.add(id(parameter))
 
 
-def _state(tensor: torch.Tensor | None) -> tuple[int, int]:
-    """Where a tensor's data is and how often it was written in place (``(0, 0)`` for an absent one)."""
-    return (0, 0) if tensor is None else (tensor.data_ptr(), tensor._version)
+Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(a base tensor's data, flat indices, its values there before a write)``."""
+
+
+def restore(saved: list[Saved]) -> None:
+    """Write the originals back, last write first."""
+    for data, indices, original in reversed(saved):
+        data.put_(indices, original)
+
+
+@contextmanager
+def written_in_place(layers: list) -> Iterator[None]:
+    """Within this context, for a forward without autograd, the entries of every graft layer in ``layers`` (a whole
+    model's) sit in the base tensors, and the layers call their base layers directly (``written_by_model``); the
+    originals are written back at exit, also on an error.
+
+    The same writes as each layer's own :meth:`InPlacePlan.run`, done once per model forward (or ``generate``) rather
+    than around each layer's forward: the Python work of a layer's forward then runs in one tight loop. A tensor tied
+    between layers is written once. Where any layer's in-place forward does not apply (autograd on, a soft region,
+    adapters disabled or merged, FSDP2, a forward already inside this context), nothing is written here and each
+    layer runs its own forward."""
+    if torch.is_grad_enabled() or not layers or any(layer.written_by_model for layer in layers):
+        yield
+        return
+    plans = [layer.in_place_plan() for layer in layers]  # every check before anything is written
+    if any(plan is None for plan in plans):
+        yield
+        return
+    saved: list[Saved] = []
+    written: set[int] = set()
+    try:
+        for layer, plan in zip(layers, plans, strict=True):
+            plan.write(saved, written)
+            layer.written_by_model = True
+        yield
+    finally:
+        for layer in layers:
+            layer.written_by_model = False
+        restore(saved)
 
 
 def tensor_dict(container: nn.Module) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from .in_place import InPlacePlan, InPlaceWrite, tensor_dict
 from .learning import RegionLearner
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
-# autograd.SparseLinearDelta and the in-place inference forward (GraftLayer._forward_in_place).
+# autograd.SparseLinearDelta and the in-place inference forward (GraftLayer.in_place_plan).
 RECOMPUTE_SOFT_PARAMETERS = True
 GRAFT_EMBEDDING_ROWS = True
 GRAFT_SPARSE_LINEAR = True
@@ -72,7 +72,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.awaiting_entries: set[str] = set()  # adapters created empty by update_layer, not yet checked once filled
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
         self._entries_cache: dict[tuple[str, str], tuple[tuple, SparseEntries | None]] = {}  # see _sparse_entries
-        self._in_place_plan: InPlacePlan | None = None  # see _forward_in_place
+        self._in_place_plans: dict[tuple[str, ...], InPlacePlan] = {}  # by active adapters; see in_place_plan
+        self.written_by_model = False  # see in_place.written_in_place
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
         self._disable_adapters = False
         self.merged_adapters = []
@@ -384,11 +385,12 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return overrides
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if GRAFT_IN_PLACE_INFERENCE and not torch.is_grad_enabled() and not self.disable_adapters and not self.merged:
-            plan = self._in_place_plan
-            if plan is not None and plan.is_current(tuple(self.active_adapters)):
-                return plan.run(self.base_layer, args, kwargs)
-        sharded = _refuse_sharded(self.base_layer, self.stored_attrs)
+        if self.written_by_model:  # in_place.written_in_place wrote this layer's entries for the model's forward
+            return self.base_layer(*args, **kwargs)
+        plan = self.in_place_plan()
+        if plan is not None:
+            return plan.run(self.base_layer, args, kwargs)
+        _refuse_sharded(self.base_layer, self.stored_attrs)  # FSDP v1: a clear error
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -401,8 +403,6 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         linear_source = self._sparse_linear_source()
         if linear_source is not None:
             return self._sparse_linear_forward(*linear_source, *args, **kwargs)
-        if GRAFT_IN_PLACE_INFERENCE and not torch.is_grad_enabled() and not sharded and self._hard_sources():
-            return self._forward_in_place(args, kwargs)
         recipes: dict[str, tuple[Any, str]] = {}
         overrides = self.effective_parameters(self.active_adapters, recipes)
         if not overrides:
@@ -424,7 +424,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
     def _hard_sources(self) -> bool:
         """Whether every active adapter has a hard region on every source layer and every tensor is contiguous (then,
-        unsharded, :meth:`_forward_in_place` applies)."""
+        unsharded, :meth:`in_place_plan` applies)."""
         for attr, (layer, _) in self._sources().items():
             if not getattr(self.base_layer, attr).is_contiguous():
                 return False
@@ -434,33 +434,44 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     return False
         return True
 
-    def _forward_in_place(self, args: tuple, kwargs: dict) -> Any:
-        """Inference without autograd: write the grafted entries into the base tensors, run the base forward, and
-        write the originals back (also on an error). Costs O(entries) instead of a copy of every grafted tensor; the
-        base forward sees exactly the values :meth:`effective_parameters` would give it.
+    def in_place_plan(self) -> InPlacePlan | None:
+        """How an unmerged forward without autograd writes the grafted entries into the base tensors for the base
+        forward (:class:`~peft_graft.tuner.in_place.InPlacePlan`), or ``None`` where it does not apply: autograd on,
+        adapters disabled or merged, FSDP2 shards, a region still soft. The base forward then sees exactly the values
+        :meth:`effective_parameters` would give it, at a cost of O(entries) instead of a copy of every grafted tensor.
 
-        The plan (which entries, their deltas, scales) is built here, with every check (``verify_base``) done before
-        anything is written, and kept for later forwards while nothing it was built from changes
-        (:class:`~peft_graft.tuner.in_place.InPlacePlan`); not while an adapter learns its region, whose rounded
-        region changes with S."""
+        The plan is found once, with every check (``verify_base``) done before anything is written, and kept for
+        later forwards while nothing it was built from changes, one per set of active adapters (so ``set_adapter``
+        finds its plan again); not while an adapter learns its region, whose rounded region changes with S."""
+        if not GRAFT_IN_PLACE_INFERENCE or torch.is_grad_enabled() or self._disable_adapters or self.merged_adapters:
+            return None
         adapters = tuple(self.active_adapters)
+        plan = self._in_place_plans.get(adapters)
+        if plan is not None and plan.is_current():
+            return plan
+        if _refuse_sharded(self.base_layer, self.stored_attrs) or not self._hard_sources():
+            return None
         writes: list[InPlaceWrite] = []
-        plan = InPlacePlan(writes, adapters)
+        plan = InPlacePlan(writes)
         learning = False
+        parameters = self.base_layer._parameters
         for attr, (layer, source_attr) in self._sources().items():
-            plan.watch(self.base_layer._parameters, attr)
+            plan.watch_base(parameters, attr)
             for adapter_name in adapters:
                 learning = learning or layer.is_learning(adapter_name)
                 contribution = layer._contribution(adapter_name, source_attr)
                 if contribution is not None:
-                    first = all(write[0] != attr for write in writes)  # theta_pre still sits there
-                    writes.append((attr, contribution, layer.get_scale(adapter_name), first))
+                    first = all(write[1] != attr for write in writes)  # theta_pre still sits there
+                    writes.append((parameters, attr, contribution, layer.get_scale(adapter_name), first))
                 for container in (layer.graft_indices, layer.graft_values, *layer._exact_containers):
                     plan.watch(tensor_dict(container), adapter_name)
                 plan.scales.append((layer.scaling, adapter_name, layer.get_scale(adapter_name)))
                 plan.learning.append((layer.graft_learning._modules, adapter_name))
-        self._in_place_plan = None if learning else plan
-        return plan.run(self.base_layer, args, kwargs)
+        if learning:
+            self._in_place_plans.pop(adapters, None)
+        else:
+            self._in_place_plans[adapters] = plan
+        return plan
 
     @property
     def _exact_containers(self) -> tuple[BufferDict, BufferDict]:
@@ -591,7 +602,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.verify_base.pop(adapter_name, None)
         self.awaiting_entries.discard(adapter_name)
         self.scaling.pop(adapter_name, None)
-        self._in_place_plan = None  # frees the deleted adapter's tensors
+        self._in_place_plans.clear()  # frees the deleted adapter's tensors
 
     def __repr__(self) -> str:
         return "graft." + super().__repr__()

@@ -16,6 +16,7 @@ from torch import nn
 from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout
 from ..regions import Region
 from .config import GRAFT_PREFIX, GraftConfig
+from .in_place import written_in_place
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .planning import plan_loaded_graft, plan_new_graft
@@ -131,6 +132,23 @@ class GraftModel(BaseTuner):
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["graft", "skill-localization"])
 
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        """The model's forward; without autograd, with the grafts' entries written in place once for the whole forward
+        (:func:`~peft_graft.tuner.in_place.written_in_place`) rather than around each layer's."""
+        with written_in_place(self._graft_layers_for_inference()):
+            return self.model.forward(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """The model's ``generate`` (which runs without autograd), with the grafts' entries written in place once for
+        the whole generation."""
+        with torch.no_grad(), written_in_place(self._graft_layers_for_inference()):
+            return self.model.generate(*args, **kwargs)
+
+    def _graft_layers_for_inference(self) -> list[GraftLayer]:
+        """The graft layers, when a forward runs without autograd (finding them costs nothing otherwise)."""
+        return [] if torch.is_grad_enabled() else self._adapter_modules()[0]
+
     # ------------------------------------------------------------------------------------------ adapters
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Activate adapter(s), as peft's ``set_adapter`` does, without walking every module of the model each time.
@@ -168,6 +186,7 @@ class GraftModel(BaseTuner):
     def _unload_and_optionally_merge(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
         if merge:  # check every layer first: peft merges and unwraps module by module
             self._check_merge(adapter_names, safe_merge)
+        self._adapter_modules_cache = None  # the layers leave the model
         return super()._unload_and_optionally_merge(merge, progressbar, safe_merge, adapter_names)
 
     def _check_merge(self, adapter_names: list[str] | None, safe_merge: bool) -> None:
