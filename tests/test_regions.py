@@ -39,6 +39,30 @@ def test_global_top_k_is_exact_with_ties(k, sample_size, key):
     assert region == brute_force(tensors, k, key or (lambda t: t))
 
 
+class Pieced(dict):
+    """Tensors handed over in pieces of 777 entries (as ``scores.movement.Movement`` hands a checkpoint's), with
+    sizes known without reading them; a whole tensor is never looked up."""
+
+    def __getitem__(self, name):
+        raise AssertionError("looked up a whole tensor")
+
+    def numel(self, name: str) -> int:
+        return dict.__getitem__(self, name).numel()
+
+    def pieces(self, name: str):
+        flat = dict.__getitem__(self, name).reshape(-1)
+        for start in range(0, flat.numel(), 777):
+            yield start, flat[start : start + 777]
+
+
+@pytest.mark.parametrize("k", [1, 500, 61_000])
+@pytest.mark.parametrize("sample_size", [1 << 20, 256])
+def test_global_top_k_over_pieces_equals_over_whole_tensors(k, sample_size):
+    tensors = tensors_with_ties()
+    region = global_top_k(Pieced(tensors), k, key=torch.abs, sample_size=sample_size)
+    assert region == brute_force(tensors, k, torch.abs)
+
+
 def test_global_top_k_falls_back_when_the_sample_bound_is_too_high():
     # One huge outlier tensor region: the sample almost never sees the few large values of "spikes".
     tensors = {"flat": torch.zeros(100_000), "spikes": torch.zeros(1000)}
