@@ -149,6 +149,16 @@ def test_keep_best_mask_selects_a_learned_mask_when_it_is_better(tmp_path):
     assert model.get_region().num_entries == 4
 
 
+def test_keep_best_mask_refuses_a_dict_of_evaluation_sets(tmp_path):
+    """The Trainer evaluates a dict of sets under prefixes ``eval_<name>``: there is no one metric to select on, so
+    the selection would silently keep nothing; it is refused instead."""
+    task = _probe_task()
+    data = Dataset.from_dict({"x": task[2].tolist(), "labels": task[3].tolist()})
+    with pytest.raises(ValueError, match="keep_best_mask selects the mask on one evaluation set"):
+        planted_flipped_trainer(tmp_path, task, {"dev": data, "ood": data}, _accuracy, keep_best_mask=True)
+    planted_flipped_trainer(tmp_path, task, {"dev": data, "ood": data}, _accuracy, keep_best_mask=False)
+
+
 # ------------------------------------------------------------------------------------------ gradient
 def _reference_grafted(scores, movement, base, offsets, recomputing, *thetas):
     """Eq. 4 with plain autograd ops (the dense formula the custom autograd Function replaces)."""

@@ -203,6 +203,12 @@ class MaskTrainer(LossTermsTrainer):
         self._correct: dict[str, np.ndarray] = {}  # per-example correctness of the last evaluations, by prefix
         if args.selection_alpha is not None:
             _check_selection_setup(args, self.eval_dataset)
+        if isinstance(self.eval_dataset, dict) and args.keep_best_mask and args.metric_for_best_model is not None:
+            raise ValueError(
+                f"keep_best_mask selects the mask on one evaluation set, but eval_dataset is a dict of "
+                f"{len(self.eval_dataset)} ({sorted(self.eval_dataset)}): pass the selection set alone as "
+                "eval_dataset (evaluate the others after training), or set keep_best_mask=False."
+            )
         self._fingerprint: str | None = None
         self.add_callback(_StartingMaskEvaluation(self))
 
