@@ -89,17 +89,18 @@ class InPlacePlan:
         Writes go through ``.data``, so the parameters' version counters (autograd's) do not move; the originals are
         read at every call, so the result follows whatever the base tensors hold. ``take`` and ``put_`` index a tensor
         as flat."""
-        before = set() if written is None else set(written)
+        mine = []
         for parameters, attr, entries, scale, first in self.writes:
             parameter = parameters[attr]
-            if id(parameter) in before:
+            if written is not None and id(parameter) in written:
                 continue
             data, indices = parameter.data, entries[0]
             original = data.take(indices)
             saved.append((data, indices, original))
             data.put_(indices, graft_entries(original, entries, first, scale))
-            if written is not None:
-                written.add(id(parameter))
+            mine.append(id(parameter))
+        if written is not None:
+            written.update(mine)
 
 
 Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

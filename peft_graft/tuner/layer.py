@@ -463,7 +463,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 if contribution is not None:
                     first = all(write[1] != attr for write in writes)  # theta_pre still sits there
                     writes.append((parameters, attr, contribution, layer.get_scale(adapter_name), first))
-                for container in (layer.graft_indices, layer.graft_values, *layer._exact_containers):
+                entry_containers = (layer.graft_indices, layer.graft_values)
+                for container in (*entry_containers, layer.graft_exact_positions, layer.graft_exact_values):
                     plan.watch(tensor_dict(container), adapter_name)
                 plan.scales.append((layer.scaling, adapter_name, layer.get_scale(adapter_name)))
                 plan.learning.append((layer.graft_learning._modules, adapter_name))
@@ -472,10 +473,6 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         else:
             self._in_place_plans[adapters] = plan
         return plan
-
-    @property
-    def _exact_containers(self) -> tuple[BufferDict, BufferDict]:
-        return self.graft_exact_positions, self.graft_exact_values
 
     def _row_learning_adapter(self) -> str | None:
         """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
