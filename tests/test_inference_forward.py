@@ -225,3 +225,9 @@ def test_a_kept_plan_does_not_keep_replaced_weights_alive(monkeypatch):
     assert old() is None
     fast = outputs(model, grad=False, in_place=True, monkeypatch=monkeypatch)
     assert torch.equal(fast, outputs(model, grad=False, in_place=False, monkeypatch=monkeypatch))
+
+
+def test_a_model_without_generate_still_has_none():
+    _, _, _, model = graft("bert_cls")
+    assert not hasattr(model.base_model, "generate")
+    assert hasattr(graft("gpt2")[3].base_model, "generate")

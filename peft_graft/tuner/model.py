@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -139,11 +140,18 @@ class GraftModel(BaseTuner):
         with written_in_place(self._graft_layers_for_inference()):
             return self.model.forward(*args, **kwargs)
 
-    def generate(self, *args, **kwargs):
+    @property
+    def generate(self) -> Callable:
         """The model's ``generate`` (which runs without autograd), with the grafts' entries written in place once for
-        the whole generation."""
-        with torch.no_grad(), written_in_place(self._graft_layers_for_inference()):
-            return self.model.generate(*args, **kwargs)
+        the whole generation. Absent (``AttributeError``) when the model has none, as before."""
+        generate = self.model.generate
+
+        @functools.wraps(generate)
+        def generate_with_grafts_written(*args, **kwargs):
+            with torch.no_grad(), written_in_place(self._graft_layers_for_inference()):
+                return generate(*args, **kwargs)
+
+        return generate_with_grafts_written
 
     def _graft_layers_for_inference(self) -> list[GraftLayer]:
         """The graft layers, when a forward runs without autograd (finding them costs nothing otherwise)."""
