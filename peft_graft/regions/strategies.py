@@ -34,7 +34,8 @@ class RegionRequest:
     Attributes:
         movement: ``theta_ft - theta_pre`` (fp32) of every eligible tensor, by parameter name: a mapping that computes
             each tensor when it is read (:class:`peft_graft.scores.movement.Movement`), so read it tensor by tensor
-            rather than keeping them all. Sizes: :meth:`numel`.
+            rather than keeping them all, or piece by piece (:func:`peft_graft.regions.selection.flat_pieces`, which
+            :func:`~peft_graft.regions.global_top_k` uses) to never hold a whole tensor. Sizes: :meth:`numel`.
         budget: ``budget(n)`` is the number of entries to choose among ``n`` eligible ones (``GraftConfig.sparsity``
             or ``num_entries``); it raises a clear error when the budget cannot be met.
         layout: Where each parameter tensor of the pre-trained model lives (see :mod:`peft_graft.parameter_layout`).
