@@ -71,6 +71,22 @@ def test_global_top_k_falls_back_when_the_sample_bound_is_too_high():
     assert region == brute_force(tensors, 150)
 
 
+def test_global_top_k_retries_with_a_lower_bound_when_the_sample_overestimates(monkeypatch):
+    """Every sampled entry (flat index 0 mod the stride) is large and the rest small: the sample's bound collects
+    only those, fewer than k, so a second pass with a lower bound runs, and the result is still exact."""
+    import peft_graft.regions.selection as selection
+
+    values = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) / 2
+    stride = (values.numel() // 64) | 1
+    values[::stride] = 1.0
+    passes = []
+    collect = selection._entries_at_least
+    monkeypatch.setattr(selection, "_entries_at_least", lambda *a: passes.append(a[2]) or collect(*a))
+    region = global_top_k({"w": values}, 1000, sample_size=64)
+    assert len(passes) == 2 and passes[0] == 1.0
+    assert region == brute_force({"w": values}, 1000)
+
+
 def test_global_top_k_bad_budget():
     tensors = {"w": torch.ones(10)}
     with pytest.raises(ValueError, match="at least 1"):
