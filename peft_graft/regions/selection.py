@@ -51,7 +51,7 @@ def global_top_k(
             break
         rank *= 4
     if scores.numel() < k:
-        raise ValueError(f"Only {scores.numel()} entries have a finite score; the budget k={k} cannot be met.")
+        raise ValueError(f"Only {scores.numel()} entries have a score that is not NaN; the budget k={k} cannot be met.")
     chosen = _largest_positions(scores, k)  # sorted, so grouped by tensor
     counts = torch.bincount(torch.searchsorted(ends, chosen, right=True), minlength=len(ends)).tolist()
     return Region(dict(zip(tensors, torch.split(indices[chosen], counts), strict=True)))
@@ -90,7 +90,7 @@ def _entries_at_least(
     Works through each tensor in cache-sized chunks: ``key``, the comparison and ``nonzero`` then never write a
     tensor-sized temporary.
     """
-    scores, indices, ends = _Collected(torch.float32), _Collected(torch.int64), []
+    scores, indices, ends = _Collected(), _Collected(torch.int64), []
     for name in tensors:
         for piece_start, piece in flat_pieces(tensors, name):
             for start in range(0, piece.numel(), _CHUNK):
@@ -110,13 +110,17 @@ class _Collected:
 
     A pass over a large model appends a little after each of thousands of pieces; kept as a list of small tensors,
     those allocations land between the pass's freed temporaries and fragment the C heap, which glibc then keeps (GBs
-    of RSS for a 1B model). Here they are a few large buffers.
+    of RSS for a 1B model). Here they are a few large buffers. With no ``dtype``, it takes that of the values added,
+    promoted (float64 scores stay float64, so near-ties keep their order).
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self._data, self._size = torch.empty(1 << 12, dtype=dtype), 0
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self._data, self._size, self._follow = torch.empty(1 << 12, dtype=dtype or torch.float32), 0, dtype is None
 
     def add(self, values: torch.Tensor) -> None:
+        if self._follow:
+            dtype = values.dtype if self._size == 0 else torch.promote_types(self._data.dtype, values.dtype)
+            self._data = self._data.to(dtype)
         end = self._size + values.numel()
         if end > self._data.numel():
             grown = torch.empty(max(end, 2 * self._data.numel()), dtype=self._data.dtype)
