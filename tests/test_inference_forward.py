@@ -231,3 +231,32 @@ def test_a_model_without_generate_still_has_none():
     _, _, _, model = graft("bert_cls")
     assert not hasattr(model.base_model, "generate")
     assert hasattr(graft("gpt2")[3].base_model, "generate")
+
+
+@pytest.mark.parametrize("entry", ["peft model", "base model"])
+def test_graft_values_still_learn_after_a_forward_without_autograd(entry):
+    """Training the grafted values (they are the adapter's parameters) with an evaluation between steps, as the
+    Trainer does: the entries cached by a forward without autograd are not reused by one with it."""
+    _, _, _, model = graft("llama")
+    call = model if entry == "peft model" else model.get_base_model()
+    layers = [layer for layer in model.base_model.graft_layers().values() if "default" in layer.graft_values]
+    assert layers and all(layer.graft_values["default"].requires_grad for layer in layers)
+    for _ in range(2):
+        with torch.no_grad():
+            call(input_ids=input_ids())
+        model.zero_grad()
+        call(input_ids=input_ids()).logits.sum().backward()
+        assert all(layer.graft_values["default"].grad is not None for layer in layers)
+
+
+def test_deleting_an_adapter_drops_its_cached_entries():
+    _, finetuned, task_type, model = graft("gpt2")
+    model.add_adapter("other", GraftConfig(finetuned=finetuned, sparsity=0.01, task_type=task_type))
+    model.set_adapter("other")
+    with torch.no_grad():
+        model(input_ids=input_ids())
+    layers = list(model.base_model.graft_layers().values())
+    assert any(key[0] == "other" for layer in layers for key in layer._entries_cache)
+    model.set_adapter("default")
+    model.delete_adapter("other")
+    assert not any(key[0] == "other" for layer in layers for key in layer._entries_cache)

@@ -71,7 +71,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.verify_base: dict[str, bool] = {}
         self.awaiting_entries: set[str] = set()  # adapters created empty by update_layer, not yet checked once filled
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
-        self._entries_cache: dict[tuple[str, str], tuple[tuple, SparseEntries | None]] = {}  # see _sparse_entries
+        self._entries_cache: dict[tuple[str, str], tuple] = {}  # see _sparse_entries
         self._in_place_plans: dict[tuple[str, ...], InPlacePlan] = {}  # by active adapters; see in_place_plan
         self.written_by_model = False  # see in_place.written_in_place
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
@@ -253,16 +253,22 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return None if entries is None else entries[:2]
 
     def _sparse_entries(self, adapter_name: str, attr: str) -> SparseEntries | None:
-        """The entries of ``attr``, cached until the adapter's tensors change (storage or an in-place write): splitting
-        the flat indices per tensor is Python work that every unmerged forward would otherwise repeat."""
+        """The entries of ``attr``, cached until the adapter's tensors change (replaced, moved or written in place):
+        splitting the flat indices per tensor is Python work that every unmerged forward would otherwise repeat.
+
+        Not cached where autograd tracks the values (they are being trained): the values are a view of
+        ``graft_values``, and a cached view would either have no path back to them (taken without autograd) or keep a
+        graph alive in the module."""
         indices, values = self.graft_indices[adapter_name], self.graft_values[adapter_name]
-        exact = self.exact_entries(adapter_name)
-        stamp = tuple((t.data_ptr(), t._version, t.device) for t in (indices, values, *exact))
+        tensors = (indices, values, *self.exact_entries(adapter_name))
+        if values.requires_grad and torch.is_grad_enabled():
+            return entries_of(self.space, indices, values, tensors[2:], attr)
+        stamp = tuple((t.data_ptr(), t._version, t.device) for t in tensors)
         cached = self._entries_cache.get((adapter_name, attr))
-        if cached is None or cached[0] != stamp:
-            cached = (stamp, entries_of(self.space, indices, values, exact, attr))
-            self._entries_cache[(adapter_name, attr)] = cached
-        return cached[1]
+        if cached is None or cached[0] != stamp or any(a is not b for a, b in zip(cached[1], tensors, strict=True)):
+            entries = entries_of(self.space, indices, values, tensors[2:], attr)
+            cached = self._entries_cache[(adapter_name, attr)] = (stamp, tensors, entries)  # tensors: ids stay theirs
+        return cached[2]
 
     def _device(self) -> torch.device:
         param = next(self.base_layer.parameters(), None)
@@ -600,6 +606,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.awaiting_entries.discard(adapter_name)
         self.scaling.pop(adapter_name, None)
         self._in_place_plans.clear()  # frees the deleted adapter's tensors
+        self._entries_cache = {key: item for key, item in self._entries_cache.items() if key[0] != adapter_name}
 
     def __repr__(self) -> str:
         return "graft." + super().__repr__()
