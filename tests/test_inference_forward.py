@@ -5,6 +5,7 @@ region), base tensors unchanged after, also with several adapters, a scale, tied
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_an_error_in_the_base_forward_still_writes_the_originals_back(entry):
     with torch.no_grad(), pytest.raises(IndexError):
         call(input_ids=torch.full((1, 4), 10_000))  # beyond the vocabulary: the embedding lookup fails
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert not any(layer.written_by_model for layer in _graft_layers(model))
+    assert all(layer.written_plan is None for layer in _graft_layers(model))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])  # tied input and output embeddings: written once
@@ -260,3 +261,63 @@ def test_deleting_an_adapter_drops_its_cached_entries():
     model.set_adapter("default")
     model.delete_adapter("other")
     assert not any(key[0] == "other" for layer in layers for key in layer._entries_cache)
+
+
+@pytest.mark.parametrize("entry", ["peft model", "base model"])
+@pytest.mark.parametrize("state_asked", ["adapters disabled", "another adapter", "autograd on"])
+def test_a_forward_nested_in_a_written_one_sees_the_state_it_asks_for(entry, state_asked):
+    """A hook calling the model inside its forward (as a reference model's score, or contrastive decoding, does) gets
+    the outputs it would get on its own, and the outer forward is unchanged."""
+    pre, finetuned, task_type, model = graft("gpt2")
+    model.add_adapter("other", GraftConfig(finetuned=finetuned, sparsity=0.01, region="random", task_type=task_type))
+    call = model if entry == "peft model" else model.get_base_model()
+    ids, before = input_ids(), state(model)
+
+    def nested() -> torch.Tensor:
+        if state_asked == "adapters disabled":
+            with model.disable_adapter():
+                return call(input_ids=ids).logits.detach()
+        if state_asked == "autograd on":
+            with torch.enable_grad():
+                return call(input_ids=ids).logits.detach()
+        model.set_adapter("other")
+        try:
+            return call(input_ids=ids).logits.detach()
+        finally:
+            model.set_adapter("default")
+
+    with torch.no_grad():
+        alone, outer_alone = nested(), model(input_ids=ids).logits
+    if state_asked == "adapters disabled":
+        assert torch.equal(alone, pre(input_ids=ids).logits.detach())
+    seen = []
+
+    def hook(*_):
+        if not seen:  # the nested forward runs this hook too
+            seen.append(None)
+            seen[0] = nested()
+
+    hook = model.get_base_model().transformer.h[1].register_forward_hook(hook)
+    with torch.no_grad():
+        outer = model(input_ids=ids).logits
+    hook.remove()
+    assert torch.equal(seen[0], alone) and torch.equal(outer, outer_alone)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(layer.written_plan is None for layer in _graft_layers(model))
+
+
+def test_threads_serving_one_unmerged_model_get_its_outputs():
+    """Unmerged forwards write into shared base tensors: graft layers take a lock, so threads take turns."""
+    _, _, _, model = graft("gpt2")
+    before, batches = state(model), [input_ids(seed=seed) for seed in range(4)]
+    with torch.no_grad():
+        expected = [model(input_ids=ids).logits for ids in batches]
+
+    def serve(i: int) -> bool:
+        call = model if i % 2 else model.get_base_model()  # the whole-model writes and the per-layer ones
+        with torch.no_grad():
+            return all(torch.equal(call(input_ids=batches[i]).logits, expected[i]) for _ in range(20))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(serve, range(4)))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -11,12 +11,18 @@ theirs, but only the id and storage address of a base tensor, so a stale plan ne
 
 The graft model's forward and ``generate`` write every layer's plan once around the whole model
 (:func:`written_in_place`); a layer called otherwise writes its own around its base layer (:meth:`InPlacePlan.run`).
+
+While the base tensors hold grafted entries, they are shared state: every graft layer's forward and every model-level
+write hold :data:`WRITE_LOCK`, so threads run them one at a time; and a forward nested inside a written one (a hook
+or a logits processor calling the model, perhaps with its adapters disabled) first writes theta_pre back
+(:func:`suspended_writes`), so it sees exactly the state it asks for.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,35 +119,79 @@ def restore(saved: list[Saved]) -> None:
         data.put_(indices, original)
 
 
+WRITE_LOCK = threading.RLock()
+"""Held by every graft layer's forward and around every model-level write (re-entrant: a nested forward in the same
+thread takes it again)."""
+
+
+@dataclass
+class ModelWrite:
+    """The plans of a whole model's graft layers, written once (:func:`written_in_place`), and the originals to write
+    back."""
+
+    layers: list
+    plans: list[InPlacePlan]
+    saved: list[Saved] = field(default_factory=list)
+
+    def write(self) -> None:
+        """Write every plan (a tied tensor once) and mark the layers as written (``written_plan``)."""
+        written: set[int] = set()
+        for layer, plan in zip(self.layers, self.plans, strict=True):
+            plan.write(self.saved, written)
+            layer.written_plan = plan
+
+    def undo(self) -> None:
+        """Write the originals back and unmark the layers."""
+        for layer in self.layers:
+            layer.written_plan = None
+        restore(self.saved)
+        self.saved.clear()
+
+
+_IN_EFFECT: list[ModelWrite] = []
+"""The model-level writes in effect, outermost first (only the thread holding :data:`WRITE_LOCK` has any)."""
+
+
+@contextmanager
+def suspended_writes() -> Iterator[None]:
+    """Within this context every model-level write in effect is undone (the base tensors hold what they hold outside
+    a forward); they are written again at exit. For a forward nested inside a written one, which may ask for another
+    state (adapters disabled or switched, another scale, autograd on)."""
+    with WRITE_LOCK:
+        active = list(_IN_EFFECT)
+        for model_write in reversed(active):
+            model_write.undo()
+        try:
+            yield
+        finally:
+            for model_write in active:
+                model_write.write()
+
+
 @contextmanager
 def written_in_place(layers: list) -> Iterator[None]:
     """Within this context, for a forward without autograd, the entries of every graft layer in ``layers`` (a whole
-    model's) sit in the base tensors, and the layers call their base layers directly (``written_by_model``); the
+    model's) sit in the base tensors, and the layers call their base layers directly (``written_plan``); the
     originals are written back at exit, also on an error.
 
     The same writes as each layer's own :meth:`InPlacePlan.run`, done once per model forward (or ``generate``) rather
     than around each layer's forward: the Python work of a layer's forward then runs in one tight loop. A tensor tied
     between layers is written once. Where any layer's in-place forward does not apply (autograd on, a soft region,
-    adapters disabled or merged, FSDP2, a forward already inside this context), nothing is written here and each
-    layer runs its own forward."""
-    if torch.is_grad_enabled() or not layers or any(layer.written_by_model for layer in layers):
-        yield
-        return
-    plans = [layer.in_place_plan() for layer in layers]  # every check before anything is written
-    if any(plan is None for plan in plans):
-        yield
-        return
-    saved: list[Saved] = []
-    written: set[int] = set()
-    try:
-        for layer, plan in zip(layers, plans, strict=True):
-            plan.write(saved, written)
-            layer.written_by_model = True
-        yield
-    finally:
-        for layer in layers:
-            layer.written_by_model = False
-        restore(saved)
+    adapters disabled or merged, FSDP2), nothing is written here and each layer runs its own forward. Nested inside
+    another model-level write (same thread), that one is suspended for the duration (:func:`suspended_writes`)."""
+    with WRITE_LOCK, suspended_writes() if _IN_EFFECT else nullcontext():
+        plans = [] if torch.is_grad_enabled() else [layer.in_place_plan() for layer in layers]  # checks first
+        if not plans or any(plan is None for plan in plans):
+            yield
+            return
+        model_write = ModelWrite(layers, plans)
+        _IN_EFFECT.append(model_write)
+        try:
+            model_write.write()
+            yield
+        finally:
+            model_write.undo()
+            _IN_EFFECT.pop()
 
 
 def tensor_dict(container: nn.Module) -> dict[str, Any]:

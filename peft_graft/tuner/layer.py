@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from .autograd import RecomputeSoftParameters
 from .entries import SparseEntries, entries_of, graft_entries
-from .in_place import InPlacePlan, InPlaceWrite, tensor_dict
+from .in_place import WRITE_LOCK, InPlacePlan, InPlaceWrite, suspended_writes, tensor_dict
 from .learning import RegionLearner
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
@@ -73,7 +73,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self._merge_backup: dict[str, list[torch.Tensor]] = {}
         self._entries_cache: dict[tuple[str, str], tuple] = {}  # see _sparse_entries
         self._in_place_plans: dict[tuple[str, ...], InPlacePlan] = {}  # by active adapters; see in_place_plan
-        self.written_by_model = False  # see in_place.written_in_place
+        self.written_plan: InPlacePlan | None = None  # the plan in_place.written_in_place wrote for the model's forward
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
         self._disable_adapters = False
         self.merged_adapters = []
@@ -391,8 +391,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return overrides
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.written_by_model:  # in_place.written_in_place wrote this layer's entries for the model's forward
-            return self.base_layer(*args, **kwargs)
+        with WRITE_LOCK:  # while a forward writes entries into the base tensors, no other thread runs a graft layer
+            if self.written_plan is None:
+                return self._forward(*args, **kwargs)
+            if self.in_place_plan() is self.written_plan:  # in_place.written_in_place wrote this layer's entries
+                return self.base_layer(*args, **kwargs)
+            with suspended_writes():  # asked for another state inside the model's forward (adapters disabled, ...)
+                return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.in_place_plan()
         if plan is not None:
             return plan.run(self.base_layer, args, kwargs)
