@@ -14,6 +14,7 @@ from peft import PeftModel, get_peft_model
 from testing_utils import clone_model, finetune_like, input_ids, make_pair
 
 from peft_graft import GraftConfig
+from peft_graft.tuner import persistence
 
 
 def logits(model):
@@ -99,6 +100,33 @@ def test_interrupted_save_leaves_the_previous_adapter_intact(graft, tmp_path, mo
     monkeypatch.undo()
     other.save_pretrained(target)
     assert torch.equal(logits(PeftModel.from_pretrained(clone_model(pre), target)), logits(other))
+
+
+@pytest.mark.parametrize("failing_move", [1, 2, 3])
+def test_a_save_whose_move_fails_leaves_the_previous_adapter(graft, tmp_path, monkeypatch, failing_move):
+    """A move that raises (a full disk, permissions) is undone at once: the previous files, bit for bit."""
+    pre, model = graft
+    target = tmp_path / "graft"
+    model.save_pretrained(target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    (target / "README.md").unlink()  # a file the new save adds rather than replaces
+    before.pop("README.md")
+    other = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
+    real_replace, moves = persistence.os.replace, []
+
+    def replace_or_fail(source, destination):
+        moves.append(destination)
+        if len(moves) == failing_move:
+            raise OSError(5, "Input/output error")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(persistence.os, "replace", replace_or_fail)
+    with pytest.raises(OSError, match="Input/output"):
+        other.save_pretrained(target)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")] == []
+    assert torch.equal(logits(PeftModel.from_pretrained(clone_model(pre), target)), logits(model))
 
 
 def test_resaving_updates_the_card_section_instead_of_repeating_it(graft, tmp_path):

@@ -390,7 +390,8 @@ def recover_interrupted_save(destination: str) -> None:
 
 def _move_into_place(staging: str, destination: str) -> None:
     """Move the staged files into ``destination`` (configs last), keeping links to the files they replace until all
-    are in place, so that :func:`recover_interrupted_save` can undo a move a kill interrupted."""
+    are in place, so that :func:`recover_interrupted_save` can undo a move a kill interrupted; a move that fails with
+    an exception is undone here."""
     files = [
         os.path.relpath(os.path.join(root, name), staging) for root, _, names in os.walk(staging) for name in names
     ]
@@ -404,9 +405,21 @@ def _move_into_place(staging: str, destination: str) -> None:
             _link_or_copy(os.path.join(destination, rel), os.path.join(backup, rel))
     for rel in files:
         os.makedirs(os.path.dirname(os.path.join(destination, rel)), exist_ok=True)
+    moved: list[str] = []
     with _signals_deferred():
-        for rel in files:
-            os.replace(os.path.join(staging, rel), os.path.join(destination, rel))
+        try:
+            for rel in files:
+                os.replace(os.path.join(staging, rel), os.path.join(destination, rel))
+                moved.append(rel)
+        except BaseException:  # a move failed (a full disk, permissions): put the previous files back
+            for rel in reversed(moved):
+                if rel in replaced:
+                    os.replace(os.path.join(backup, rel), os.path.join(destination, rel))
+                else:
+                    os.remove(os.path.join(destination, rel))
+            if backup is not None:  # kept if undoing failed too: the next save or load recovers from the links
+                shutil.rmtree(backup, ignore_errors=True)
+            raise
     if backup is not None:
         shutil.rmtree(backup, ignore_errors=True)
 
