@@ -11,6 +11,7 @@ config: :func:`wrap_method` replaces a method or class method by a wrapper of it
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 from peft.utils import PeftType
 from peft.utils import register_peft_method as _peft_register_peft_method
@@ -52,10 +53,10 @@ def register_peft_method(name: str, config_cls: type, model_cls: type, prefix: s
     return peft_type
 
 
-def wrap_method(owner: type, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """Replace ``owner.<name>`` (a method or class method, where ``owner`` or a base class defines it) by
-    ``make_wrapper(original function)`` unless a wrapper is already installed."""
-    defining = next(cls for cls in owner.__mro__ if name in vars(cls))
+def wrap_method(owner: type | ModuleType, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.<name>`` (a method or class method, where ``owner`` or a base class defines it; or a module's
+    function) by ``make_wrapper(original function)`` unless a wrapper is already installed."""
+    defining = owner if isinstance(owner, ModuleType) else next(cls for cls in owner.__mro__ if name in vars(cls))
     attribute = vars(defining)[name]
     is_classmethod = isinstance(attribute, classmethod)
     original = attribute.__func__ if is_classmethod else attribute

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -330,6 +332,27 @@ def test_pickled_graft_weights_are_refused(pair, saved, tmp_path):
         PeftModel.from_pretrained(clone_model(pre), target)
 
 
+HUB_LOADERS = {
+    "peft": lambda pre, repo, cache: PeftModel.from_pretrained(clone_model(pre), repo, cache_dir=cache),
+    "transformers": lambda pre, repo, cache: clone_model(pre).load_adapter(repo, adapter_kwargs={"cache_dir": cache}),
+}
+
+
+@pytest.mark.parametrize("loader", HUB_LOADERS)
+def test_pickled_graft_weights_reached_by_hub_id_are_refused_before_unpickling(pair, saved, tmp_path, loader):
+    """A graft published with adapter_model.bin only, read from the Hub cache (offline here) by its repo id."""
+    pre, _, _ = pair
+    snapshot = tmp_path / "cache" / "models--someone--graft" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    shutil.copy(saved / "adapter_config.json", snapshot)
+    torch.save(load_file(saved / "adapter_model.safetensors"), snapshot / "adapter_model.bin")
+    unpickling = patch.object(torch, "load", side_effect=AssertionError("unpickled"))
+    with unpickling, pytest.raises(ValueError, match=r"adapter_model\.bin \(a pickle\)"):
+        HUB_LOADERS[loader](pre, "someone/graft", str(tmp_path / "cache"))
+
+
 def test_the_only_adapter_cannot_be_deleted():
     pre, finetuned, task_type = make_pair("bert_cls")
     model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20, task_type=task_type))
@@ -432,6 +455,19 @@ def test_config_without_grafted_modules_says_it_is_incomplete(pair, saved):
     (saved / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"records none, so its adapter_config\.json is incomplete"):
         PeftModel.from_pretrained(clone_model(pre), saved)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_module_dropped_from_grafted_modules_is_refused(pair, saved, loader):
+    """The file still holds that module's entries: loading the rest alone would be a silently smaller graft."""
+    pre, _, _ = pair
+    config = json.loads((saved / "adapter_config.json").read_text())
+    dropped = sorted(config["grafted_modules"])[-1]
+    for field in ("grafted_modules", "exact_entries", "base_checksum", "base_fingerprint"):
+        config.get(field, {}).pop(dropped, None)
+    (saved / "adapter_config.json").write_text(json.dumps(config))  # the weights checksum still matches
+    with pytest.raises(ValueError, match=f"does not list \\(e.g. '{re.escape(dropped)}'\\)"):
+        LOADERS[loader](pre, saved)
 
 
 def _logits(model) -> torch.Tensor:

@@ -457,7 +457,18 @@ def check_graft_state_dict(model: nn.Module, config: GraftConfig, state_dict: di
     def tensor(module: str, name: str) -> torch.Tensor | None:
         return state_dict.get(f"{PEFT_PREFIX}{module}.{name}", state_dict.get(f"{module}.{name}"))
 
+    stored = (key.removeprefix(PEFT_PREFIX).rpartition(".") for key in state_dict)
+    unlisted = sorted({module for module, _, name in stored if name in GRAFT_TENSORS} - set(config.grafted_modules))
+    if unlisted:
+        raise ValueError(
+            f"The adapter file holds graft entries of {len(unlisted)} modules its config's grafted_modules does not "
+            f"list (e.g. {unlisted[0]!r}): config and weights do not match. Save or download the adapter again."
+        )
     check_graft_tensors(config, layers, tensor)
+
+
+GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
+"""The tensors a graft layer saves per adapter."""
 
 
 def check_loaded_graft(model: nn.Module, adapter_name: str) -> None:

@@ -224,6 +224,34 @@ def _refuse_pickled_graft(folder: str) -> None:
         )
 
 
+def wrap_torch_load(original):
+    """peft's ``torch_load`` of adapter weights: refused for a pickled graft before unpickling, also one reached by Hub
+    id (a local folder is checked before loading anyway, ``_check_local_folder``): its config was downloaded beside."""
+
+    @functools.wraps(original)
+    def torch_load(filename, *args, **kwargs):
+        if isinstance(filename, (str, os.PathLike)):
+            _refuse_pickled_graft(os.path.dirname(os.fspath(filename)))
+        return original(filename, *args, **kwargs)
+
+    return torch_load
+
+
+def wrap_checkpoint_resolution(original):
+    """transformers' ``_get_resolved_checkpoint_files``, which its ``load_adapter`` finds an adapter's weights with:
+    a pickled graft's file is refused once found, before anything reads it."""
+
+    @functools.wraps(original)
+    def resolve(*args, **kwargs):
+        files, metadata = original(*args, **kwargs)
+        for file in files or ():
+            if os.fspath(file).endswith(".bin"):
+                _refuse_pickled_graft(os.path.dirname(os.fspath(file)))
+        return files, metadata
+
+    return resolve
+
+
 def wrap_config_reader(original):
     """``PeftConfig.from_json_file``, which every loader reads a saved config with: errors that name the file."""
 

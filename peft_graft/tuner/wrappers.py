@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 from peft import PeftConfig, PeftModel
+from peft.utils import save_and_load
 from peft.utils.other import AuxiliaryTrainingWrapper
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, modeling_utils
 
 from .persistence import (
     is_graft_config,
+    wrap_checkpoint_resolution,
     wrap_config_reader,
     wrap_load,
     wrap_peft_type_reader,
     wrap_push,
     wrap_save,
+    wrap_torch_load,
     wrap_transformers_load,
 )
 
@@ -39,8 +43,8 @@ def wrap_transformers_enable(original):
     return enable_adapters
 
 
-def method_wrappers() -> list[tuple[type, str, Callable]]:
-    """``(class, method name, wrapper factory)`` of every library method the package wraps."""
+def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
+    """``(class or module, method name, wrapper factory)`` of every library method the package wraps."""
     return [
         (PeftModel, "save_pretrained", wrap_save),
         (PeftModel, "load_adapter", wrap_load),
@@ -49,4 +53,6 @@ def method_wrappers() -> list[tuple[type, str, Callable]]:
         (PeftConfig, "_get_peft_type", wrap_peft_type_reader),
         (PreTrainedModel, "load_adapter", wrap_transformers_load),
         (PreTrainedModel, "enable_adapters", wrap_transformers_enable),
+        (save_and_load, "torch_load", wrap_torch_load),
+        (modeling_utils, "_get_resolved_checkpoint_files", wrap_checkpoint_resolution),
     ]
