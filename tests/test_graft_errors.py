@@ -50,6 +50,16 @@ LOADERS = {
         ({"region": "largest"}, ValueError, "Unknown region strategy region='largest'"),
         ({"region": "empty"}, ValueError, "only meaningful with learn_region=True"),
         ({"region": "given"}, ValueError, "needs given_region"),
+        ({"learn_region": "False"}, TypeError, "learn_region must be True or False, got 'False'"),
+        ({"only_moved": 0}, TypeError, "only_moved must be True or False"),
+        ({"verify_base": "no"}, TypeError, "verify_base must be True or False"),
+        ({"seed": 1.5}, ValueError, r"seed must be an int in \[0, 2\*\*63\), got 1.5"),
+        ({"seed": -1}, ValueError, "seed must be an int"),
+        ({"seed": 2**70}, ValueError, "seed must be an int"),
+        ({"seed": True}, ValueError, "seed must be an int"),
+        ({"include_parameters": 5}, TypeError, "include_parameters must be a string, a list of strings or None"),
+        ({"exclude_parameters": ["ok", 3]}, TypeError, "exclude_parameters must hold strings only"),
+        ({"modules_to_save": {"classifier": 1}}, TypeError, "modules_to_save must be a string, a list of strings"),
     ],
 )
 def test_bad_config_fields(kwargs, error, match):
@@ -253,6 +263,14 @@ def test_given_masks_must_have_the_parameters_shapes():
 def test_bad_regex_names_the_field(field):
     with pytest.raises(ValueError, match=f"{field}: '\\(unclosed' is not a valid regular expression"):
         GraftConfig(**{field: ["ok", "(unclosed"]})
+
+
+def test_one_module_to_save_may_be_named_by_a_string(pair):
+    pre, finetuned, _ = pair
+    model = graft(pre, finetuned, num_entries=20, modules_to_save="classifier")
+    saved = model.peft_config["default"].modules_to_save
+    assert isinstance(saved, list) and "classifier" in saved  # (peft adds its sequence-classification heads)
+    assert any("modules_to_save.default" in name for name, _ in model.named_parameters())
 
 
 def test_reusing_a_config_object_for_a_second_adapter_is_refused():

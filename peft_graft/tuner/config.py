@@ -154,6 +154,19 @@ class GraftConfig(PeftConfig):
                 _check_fraction("sparsity", self.sparsity, "e.g. 1e-4 grafts 0.01%")
         if self.num_entries is not None:
             _check_count("num_entries", self.num_entries)
+        for name in ("only_moved", "learn_region", "verify_base"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}.")
+        if isinstance(self.modules_to_save, str):  # one module name, as peft's target_modules accepts
+            self.modules_to_save = [self.modules_to_save]
+        for name in ("include_parameters", "exclude_parameters", "modules_to_save"):
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, (str, list, tuple))):
+                raise TypeError(f"{name} must be a string, a list of strings or None, got {type(value).__name__}.")
+            if isinstance(value, (list, tuple)) and not all(isinstance(item, str) for item in value):
+                raise TypeError(f"{name} must hold strings only, got {value!r:.200}.")
         for name in ("include_parameters", "exclude_parameters"):
             patterns = getattr(self, name)
             for pattern in [patterns] if isinstance(patterns, str) else patterns or []:

@@ -457,8 +457,12 @@ def check_graft_state_dict(model: nn.Module, config: GraftConfig, state_dict: di
     def tensor(module: str, name: str) -> torch.Tensor | None:
         return state_dict.get(f"{PEFT_PREFIX}{module}.{name}", state_dict.get(f"{module}.{name}"))
 
-    stored = (key.removeprefix(PEFT_PREFIX).rpartition(".") for key in state_dict)
-    unlisted = sorted({module for module, _, name in stored if name in GRAFT_TENSORS} - set(config.grafted_modules))
+    holding = set()
+    for key, value in state_dict.items():
+        module, _, name = key.removeprefix(PEFT_PREFIX).rpartition(".")
+        if name in GRAFT_TENSORS and not (isinstance(value, torch.Tensor) and value.numel() == 0):
+            holding.add(module)
+    unlisted = sorted(holding - set(config.grafted_modules))  # modules without entries are not listed
     if unlisted:
         raise ValueError(
             f"The adapter file holds graft entries of {len(unlisted)} modules its config's grafted_modules does not "
