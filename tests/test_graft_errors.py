@@ -103,6 +103,42 @@ def test_nan_or_inf_movement_names_the_tensor(pair, bad):
         graft(pre, state)
 
 
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (lambda t: t > 0, TypeError, "is not floating point"),
+        (lambda t: (t * 100).long(), TypeError, "is not floating point"),
+        (lambda t: t.to(torch.complex64), TypeError, "is not floating point"),
+        (lambda t: t.numpy(), TypeError, "must be a tensor, got ndarray"),
+        (lambda t: None, TypeError, "must be a tensor, got NoneType"),
+        (lambda t: t.to("meta"), ValueError, "is on the meta device"),
+    ],
+)
+def test_finetuned_tensor_of_the_wrong_kind_names_the_tensor(pair, value, error, match):
+    """A bool or integer theta_ft would be cast and grafted as 0/1 values: refused, like other non-tensors."""
+    pre, finetuned, _ = pair
+    state = dict(finetuned.state_dict())
+    state[VALUE] = value(state[VALUE])
+    with pytest.raises(error, match=f"theta_ft of '{VALUE}' {match}"):
+        graft(pre, state)
+
+
+@pytest.mark.parametrize("head", ["classifier.weight", "classifier.bias"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_head_stored_whole_with_nan_or_inf_is_refused(pair, head, bad):
+    pre, finetuned, _ = pair
+    state = {k: v.clone() for k, v in finetuned.state_dict().items()}
+    state[head].view(-1)[0] = bad
+    with pytest.raises(ValueError, match=f"theta_ft of '{head}' \\(stored whole, modules_to_save\\) has NaN or inf"):
+        graft(pre, state)
+
+
+def test_a_state_dict_with_keys_other_than_names_is_refused(pair):
+    pre, finetuned, _ = pair
+    with pytest.raises(TypeError, match="must have parameter names \\(str\\) as keys, got 0"):
+        graft(pre, {**finetuned.state_dict(), 0: torch.ones(1)})
+
+
 def test_finetuned_of_wrong_type_or_missing_path(pair):
     pre, _, _ = pair
     with pytest.raises(TypeError, match="finetuned must be a model, a path or Hub id, or a state dict; got int"):

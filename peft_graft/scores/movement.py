@@ -47,6 +47,9 @@ def load_finetuned(source: object, base_model: nn.Module) -> Mapping[str, torch.
         _check_model_type(finetuned.config.model_type, base_model)
         return finetuned.state_dict()
     if isinstance(source, Mapping):
+        bad = next((key for key in source if not isinstance(key, str)), None)
+        if bad is not None:
+            raise TypeError(f"finetuned, a state dict, must have parameter names (str) as keys, got {bad!r}.")
         return source
     raise TypeError(
         f"finetuned must be a model, a path or Hub id, or a state dict; got {type(source).__name__}. Pass it as "
@@ -141,7 +144,20 @@ def _finetuned_key(state: Mapping[str, torch.Tensor], layout: Layout, name: str)
             f"The fine-tuned model has no tensor {name!r} (aliases {list(info.aliases)}): is it fine-tuned from "
             "this pre-trained model?"
         )
-    shape = state.shape(key) if isinstance(state, StreamedCheckpoint) else tuple(state[key].shape)
+    if isinstance(state, StreamedCheckpoint):
+        shape, floating = state.shape(key), state.is_floating_point(key)
+    else:
+        value = state[key]
+        if not torch.is_tensor(value):
+            raise TypeError(f"theta_ft of {name!r} must be a tensor, got {type(value).__name__}.")
+        if value.is_meta:
+            raise ValueError(f"theta_ft of {name!r} is on the meta device: load the fine-tuned model's weights first.")
+        shape, floating = tuple(value.shape), value.is_floating_point()
+    if info.parameter.is_floating_point() and not floating:
+        raise TypeError(
+            f"theta_ft of {name!r} is not floating point (theta_pre is {info.parameter.dtype}): the fine-tuned model "
+            "must hold the same kind of values as the pre-trained one."
+        )
     if tuple(shape) != tuple(info.parameter.shape):
         raise ValueError(
             f"Tensor {name!r} has shape {tuple(shape)} in the fine-tuned model but "

@@ -96,19 +96,28 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
     for name, info in layout.tensors.items():  # whole tensors of modules_to_save (e.g. a new head)
         saved_whole = any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases)
         if info.parameter.is_floating_point() and name not in movement and saved_whole:
-            plan.saved_whole[name] = finetuned_tensor(state, layout, name)
+            plan.saved_whole[name] = _finite(finetuned_tensor(state, layout, name), name)
     for name, parameter in _wrapped_whole_tensors(model).items():  # heads peft wrapped for an earlier adapter
         if parameter.is_floating_point() and is_saved_whole(name, config.modules_to_save):
             tensor = state.get(name)
-            if tensor is None or tuple(tensor.shape) != tuple(parameter.shape):
+            if not torch.is_tensor(tensor) or tuple(tensor.shape) != tuple(parameter.shape):
                 raise ValueError(
                     f"The fine-tuned model has no tensor {name!r} of shape {tuple(parameter.shape)} to store whole "
                     "(modules_to_save): is it fine-tuned from this pre-trained model?"
                 )
-            plan.saved_whole[name] = tensor
+            if not tensor.is_floating_point():
+                raise TypeError(f"theta_ft of {name!r} is not floating point (theta_pre is {parameter.dtype}).")
+            plan.saved_whole[name] = _finite(tensor, name)
     if isinstance(state, StreamedCheckpoint):
         state.close()  # unmap the last shard now rather than when the mapping is collected
     return plan
+
+
+def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """``tensor`` (theta_ft of a tensor stored whole), refused if it holds NaN or inf."""
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"theta_ft of {name!r} (stored whole, modules_to_save) has NaN or inf entries.")
+    return tensor
 
 
 def _wrapped_whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
