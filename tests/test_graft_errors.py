@@ -407,6 +407,31 @@ def test_pickled_graft_weights_reached_by_hub_id_are_refused_before_unpickling(p
         HUB_LOADERS[loader](pre, "someone/graft", str(tmp_path / "cache"))
 
 
+HEAD = "base_model.model.classifier.weight"
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda t: {k: v for k, v in t.items() if k != HEAD}, "lack tensor|is missing: the file is incomplete"),
+        (lambda t: t | {HEAD: torch.full_like(t[HEAD], torch.nan)}, "holds NaN or inf"),
+        (lambda t: t | {HEAD: (t[HEAD] * 100).long()}, "is torch.int64 of shape"),
+        (lambda t: t | {HEAD: t[HEAD][:1].clone()}, r"not floating point of shape \(3, 32\)"),
+    ],
+)
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_bad_head_stored_whole_is_refused(pair, saved, tmp_path, edit, match, loader):
+    """A NaN, integer or missing head (the classifier a graft stores whole) was loaded as it was, cast, or left
+    randomly initialised."""
+    pre, _, _ = pair
+    with pytest.raises(ValueError, match=match):
+        LOADERS[loader](pre, corrupt_copy(saved, tmp_path, edit))
+    model = clone_model(pre)
+    with pytest.raises(ValueError, match=match):
+        model.load_adapter(corrupt_copy(saved, tmp_path / "again", edit))
+    assert torch.equal(_logits(model), _logits(pre))  # transformers' load is undone
+
+
 def test_the_only_adapter_cannot_be_deleted():
     pre, finetuned, task_type = make_pair("bert_cls")
     model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=20, task_type=task_type))

@@ -119,6 +119,16 @@ def test_region_from_pretrained_refuses_bad_folders(tmp_path):
     other, _, _ = make_pair("gpt2")
     with pytest.raises(ValueError, match="does not fit this model"):
         Region.from_pretrained(tmp_path, other)
+    weights[key] = load_file(weights_file)[key].clamp(max=10).float() + 0.7  # in range, but not integers
+    save_file(weights, weights_file)
+    with pytest.raises(ValueError, match=r"as torch\.float32, not integers"):
+        Region.from_pretrained(tmp_path, pre)
+    (tmp_path / "adapter_config.json").write_text(json.dumps([config]))
+    with pytest.raises(ValueError, match="records no grafted_modules"):
+        Region.from_pretrained(tmp_path, pre)
+    (tmp_path / "adapter_config.json").write_text("{")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        Region.from_pretrained(tmp_path, pre)
 
 
 def test_the_readme_strategy_picks_the_largest_relative_movement(strategy_name):

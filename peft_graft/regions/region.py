@@ -126,7 +126,11 @@ def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
         if not os.path.isfile(file):
             raise ValueError(f"{path!r} is not a saved graft: {os.path.basename(file)} is missing.")
     with open(config_file, encoding="utf-8") as handle:
-        grafted_modules = json.load(handle).get("grafted_modules")
+        try:
+            config = json.load(handle)
+        except ValueError as error:
+            raise ValueError(f"{config_file} is not valid JSON ({error}): save the graft again.") from error
+    grafted_modules = config.get("grafted_modules") if isinstance(config, dict) else None
     if not isinstance(grafted_modules, dict):
         raise ValueError(f"{config_file} records no grafted_modules: it is not a graft adapter config.")
     verify_weights_checksum(path)
@@ -138,6 +142,11 @@ def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
             raise ValueError(
                 f"The graft in {path!r} does not fit this model: module {module!r} holds no parameter of it, or "
                 "its entries are missing from the weights."
+            )
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ValueError(
+                f"The graft in {path!r} stores the indices of module {module!r} as {indices.dtype}, not integers: "
+                "the file is corrupt or not written by peft_graft."
             )
         indices = indices.to(torch.int64)
         space = layout.index_space(module)

@@ -426,7 +426,7 @@ class GraftModel(BaseTuner):
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         """Check the checkpoint against the config and the model before anything is loaded."""
-        check_graft_state_dict(model, config, state_dict)
+        check_graft_state_dict(model, config, state_dict, adapter_name)
         return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
 
@@ -450,8 +450,11 @@ def check_graft_tensors(
             validate_entries(positions, targets, num_exact, count, module, "exact entries")
 
 
-def check_graft_state_dict(model: nn.Module, config: GraftConfig, state_dict: dict[str, torch.Tensor]) -> None:
-    """Check a graft's saved tensors (keys as peft saves them, with or without its prefix) against config and model."""
+def check_graft_state_dict(
+    model: nn.Module, config: GraftConfig, state_dict: dict[str, torch.Tensor], adapter_name: str
+) -> None:
+    """Check a graft's saved tensors (keys as peft saves them, with or without its prefix) against config and model:
+    the entries, and the heads stored whole (``modules_to_save``) of adapter ``adapter_name``."""
     layers = {n.removeprefix(PEFT_PREFIX): m for n, m in model.named_modules() if isinstance(m, GraftLayer)}
 
     def tensor(module: str, name: str) -> torch.Tensor | None:
@@ -469,6 +472,23 @@ def check_graft_state_dict(model: nn.Module, config: GraftConfig, state_dict: di
             f"list (e.g. {unlisted[0]!r}): config and weights do not match. Save or download the adapter again."
         )
     check_graft_tensors(config, layers, tensor)
+    for name, module in model.named_modules():  # heads stored whole: present, floating point, of their shape, finite
+        if not isinstance(module, AuxiliaryTrainingWrapper) or adapter_name not in module.modules_to_save:
+            continue
+        module_name = name.removeprefix(PEFT_PREFIX)
+        for attr, parameter in module.modules_to_save[adapter_name].named_parameters():
+            value = tensor(module_name, attr)  # as saved; as peft's load renames it
+            value = value if value is not None else tensor(module_name, f"modules_to_save.{adapter_name}.{attr}")
+            where = f"The adapter file's head tensor {module_name}.{attr} (stored whole, modules_to_save)"
+            if not torch.is_tensor(value):
+                raise ValueError(f"{where} is missing: the file is incomplete. Save or download the adapter again.")
+            if not value.is_floating_point() or tuple(value.shape) != tuple(parameter.shape):
+                raise ValueError(
+                    f"{where} is {value.dtype} of shape {tuple(value.shape)}, not floating point of shape "
+                    f"{tuple(parameter.shape)}: the file is corrupt or made for another model."
+                )
+            if not torch.isfinite(value).all():
+                raise ValueError(f"{where} holds NaN or inf: the file is corrupt. Save or download the adapter again.")
 
 
 GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")

@@ -117,6 +117,11 @@ def wrap_load(original):
                 self.delete_adapter(adapter_name)
             if isinstance(error, SafetensorError):
                 raise _corrupt_file_error(model_id, error) from error
+            if isinstance(error, KeyError):  # peft looks up the heads stored whole (modules_to_save) by name
+                raise ValueError(
+                    f"The graft weights of {os.fspath(model_id)!r} lack tensor {error.args[0]!r}: the file is "
+                    "incomplete. Save or download the adapter again."
+                ) from error
             raise
 
     return load_adapter
@@ -145,7 +150,7 @@ def wrap_transformers_load(original):
             if state_dict is None:
                 check_loaded_graft(self, name)
             else:
-                check_graft_state_dict(self, self.peft_config[name], state_dict)
+                check_graft_state_dict(self, self.peft_config[name], state_dict, name)
 
         try:
             info = original(self, peft_model_id, adapter_name, peft_config, adapter_state_dict, *args, **kwargs)
