@@ -608,7 +608,9 @@ def test_adapter_names_that_are_paths_or_not_buffer_keys_are_refused(pair, saved
 
 
 @pytest.mark.parametrize(
-    "combination", [lambda stacked: 1 / 0, lambda stacked: stacked, lambda stacked: [0.0]], ids=["raises", "2d", "list"]
+    "combination",
+    [lambda stacked: 1 / 0, lambda stacked: stacked, lambda stacked: [0.0], lambda stacked: stacked[0] * torch.nan],
+    ids=["raises", "2d", "list", "nan"],
 )
 def test_a_failed_combined_adapter_leaves_no_trace(pair, combination):
     pre, finetuned, _ = pair
@@ -620,6 +622,39 @@ def test_a_failed_combined_adapter_leaves_no_trace(pair, combination):
     assert not any(".both" in n for n in model.state_dict())
     model.base_model.add_combined_adapter(["default", "b"], "both")  # the name is free again
     assert model.base_model.get_region("both").num_entries >= 20
+
+
+@pytest.mark.parametrize("names", [[], "default"])
+def test_combining_needs_a_list_of_adapter_names(pair, names):
+    pre, finetuned, _ = pair
+    model = graft(pre, finetuned, num_entries=20)
+    with pytest.raises(ValueError, match="adapter_names must be a non-empty list of adapter names"):
+        model.base_model.add_combined_adapter(names, "both")
+
+
+@pytest.mark.parametrize(
+    ("entries", "match"),
+    [
+        (lambda m: {m: (torch.tensor([5, 3]), torch.tensor([0.1, 0.2]))}, "strictly increasing"),
+        (lambda m: {m: (torch.tensor([3, 3]), torch.tensor([0.1, 0.2]))}, "strictly increasing"),
+        (lambda m: {m: (torch.tensor([3, 5]), torch.tensor([0.1, torch.nan]))}, "NaN or inf"),
+        (lambda m: {m: (torch.tensor([3.0, 5.0]), torch.tensor([0.1, 0.2]))}, "int32/int64"),
+        (lambda m: {m: (torch.tensor([3, 5]), torch.tensor([0.1]))}, "one per index"),
+        (lambda m: {m: (torch.tensor([3, 10**9]), torch.tensor([0.1, 0.2]))}, "out of range"),
+        (lambda m: {"no.such.module": (torch.tensor([3]), torch.tensor([0.1]))}, "without a region being learned"),
+    ],
+)
+def test_hardening_to_bad_entries_is_refused_and_learning_goes_on(pair, entries, match):
+    """harden_region(entries=...) made grafts that saved but could not be loaded again."""
+    pre, finetuned, _ = pair
+    model = graft(pre, finetuned, num_entries=20, learn_region=True)
+    module = next(iter(model.base_model.region_learners("default")))
+    with pytest.raises(ValueError, match=match):
+        model.base_model.harden_region(entries=entries(module))
+    assert model.base_model.region_learners("default")  # nothing hardened
+    with pytest.raises(TypeError, match="num_entries must be an int"):
+        model.base_model.harden_region(num_entries=2.5)
+    assert model.base_model.harden_region(num_entries=3) == 3
 
 
 def _edited_config(saved, tmp_path, text: str):

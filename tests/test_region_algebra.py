@@ -454,3 +454,22 @@ def test_results_are_int64_for_narrow_input_dtypes():
         assert_canonical(result)
     assert (a | b)["c"].tolist() == [1, 3, 7]
     assert math.isclose(a.iou(b), 1 / 3)
+
+
+def test_algebra_takes_a_mapping_of_indices_and_refuses_anything_else():
+    a = Region({"c": torch.tensor([1, 2])})
+    assert a | {"c": torch.tensor([3])} == Region({"c": torch.tensor([1, 2, 3])})
+    assert a & {"c": [2, 9]} == Region({"c": torch.tensor([2])})
+    assert a.overlap({"c": [2]}) == 1.0
+    for other in ([1, 2], 3, None):
+        with pytest.raises(TypeError, match="Region algebra needs a Region"):
+            a.union(other)
+    with pytest.raises(TypeError):
+        a | 3
+
+
+def test_masks_of_a_shape_too_small_for_the_region_are_refused():
+    region = Region({"w": torch.tensor([1, 11])})
+    assert region.to_masks({"w": torch.Size([3, 4])})["w"].reshape(-1).nonzero().reshape(-1).tolist() == [1, 11]
+    with pytest.raises(ValueError, match=r"'w' reach flat index 11, outside its shape \(2, 4\)"):
+        region.to_masks({"w": torch.Size([2, 4])})

@@ -59,6 +59,12 @@ class Region(Mapping[str, torch.Tensor]):
         for name, shape in shapes.items():
             mask = torch.zeros(shape, dtype=torch.bool)
             if name in self._indices:
+                last = int(self._indices[name][-1])
+                if last >= mask.numel():
+                    raise ValueError(
+                        f"Region entries of {name!r} reach flat index {last}, outside its shape {tuple(mask.shape)} "
+                        f"({mask.numel()} entries)."
+                    )
                 mask.view(-1)[self._indices[name]] = True
             masks[name] = mask
         return masks
@@ -90,18 +96,21 @@ class Region(Mapping[str, torch.Tensor]):
 
     __hash__ = None
 
-    # Algebra
+    # Algebra (with a Region, or a mapping of indices Region() accepts)
     def __or__(self, other: Region) -> Region:
+        other = _as_region(other)
         names = self._indices.keys() | other._indices.keys()
         empty = torch.empty(0, dtype=torch.int64)
         return Region({n: torch.cat([self._indices.get(n, empty), other._indices.get(n, empty)]) for n in names})
 
     def __and__(self, other: Region) -> Region:
+        other = _as_region(other)
         return Region(
             {n: idx[torch.isin(idx, other._indices[n])] for n, idx in self._indices.items() if n in other._indices}
         )
 
     def __sub__(self, other: Region) -> Region:
+        other = _as_region(other)
         return Region(
             {n: idx[~torch.isin(idx, other._indices[n])] if n in other else idx for n, idx in self._indices.items()}
         )
@@ -110,12 +119,22 @@ class Region(Mapping[str, torch.Tensor]):
 
     def overlap(self, other: Region) -> float:
         """The paper's asymmetric overlap ``|self & other| / |other|`` (Figure 8a)."""
+        other = _as_region(other)
         return (self & other).num_entries / other.num_entries if other.num_entries else 0.0
 
     def iou(self, other: Region) -> float:
         """Intersection over union ``|self & other| / |self | other|``."""
+        other = _as_region(other)
         union = (self | other).num_entries
         return (self & other).num_entries / union if union else 0.0
+
+
+def _as_region(other: object) -> Region:
+    if isinstance(other, Region):
+        return other
+    if isinstance(other, Mapping):
+        return Region(other)
+    raise TypeError(f"Region algebra needs a Region (or a mapping of name -> indices), got {type(other).__name__}.")
 
 
 def saved_region(path: str | os.PathLike, layout: Layout) -> Region:

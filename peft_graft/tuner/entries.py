@@ -30,6 +30,26 @@ def entries_of(
     return None
 
 
+def check_entries(indices: object, values: object, size: int, where: str) -> None:
+    """Refuse a hard region that is not sorted distinct int32/int64 flat ``indices`` into ``[0, size)`` with as many
+    finite floating-point ``values``; ``where`` names it in the error."""
+    if not (torch.is_tensor(indices) and torch.is_tensor(values)):
+        raise TypeError(f"{where}: indices and values must be tensors, got {type(indices).__name__} and "
+                        f"{type(values).__name__}.")  # fmt: skip
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
+        raise ValueError(f"{where}: indices must be a 1-D int32/int64 tensor, got {indices.dtype} "
+                         f"{tuple(indices.shape)}.")  # fmt: skip
+    if not values.is_floating_point() or values.shape != indices.shape:
+        raise ValueError(f"{where}: values must be floating point, one per index ({indices.numel()}), got "
+                         f"{values.dtype} {tuple(values.shape)}.")  # fmt: skip
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
+        raise ValueError(f"{where}: indices out of range [0, {size}).")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError(f"{where}: indices must be strictly increasing (sorted, without repeats).")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{where}: values hold NaN or inf.")
+
+
 def graft_entries(current: torch.Tensor, entries: SparseEntries, first: bool, scale: float = 1.0) -> torch.Tensor:
     """The values at the entries once grafted, from ``current`` (a tensor's values there), in its dtype:
     ``(current.float() + delta).to(dtype)``, and theta_ft itself at the exact entries when this is the first adapter

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from .autograd import RecomputeSoftParameters
-from .entries import SparseEntries, entries_of, graft_entries
+from .entries import SparseEntries, check_entries, entries_of, graft_entries
 from .in_place import WRITE_LOCK, InPlacePlan, InPlaceWrite, suspended_writes, tensor_dict
 from .learning import RegionLearner
 
@@ -127,8 +127,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         ``unreachable``: sorted flat indices and theta_ft (fp32) where no fp32 delta reproduces theta_ft; those among
         ``indices`` are stored exactly (see the class docstring), the others are ignored.
         """
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_stored):
-            raise ValueError(f"Graft indices out of range [0, {self.num_stored}) for adapter {adapter_name!r}.")
+        check_entries(indices, values, self.num_stored, f"The region of adapter {adapter_name!r}")
         device = self._device()
         requires_grad = adapter_name in self.graft_values and self.graft_values[adapter_name].requires_grad
         self.graft_indices[adapter_name] = indices.to(device, self.space.index_dtype())

@@ -17,6 +17,7 @@ from torch import nn
 from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout
 from ..regions import Region
 from .config import GRAFT_PREFIX, GraftConfig
+from .entries import check_entries
 from .in_place import written_in_place
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
@@ -310,7 +311,16 @@ class GraftModel(BaseTuner):
         if not learners:
             raise ValueError(f"Adapter {adapter_name!r} has no region being learned (GraftConfig(learn_region=True)).")
         hardened = entries
-        if hardened is None and num_entries is not None:
+        if hardened is not None:  # every module checked before any stops learning
+            unknown = sorted(set(hardened) - set(learners))
+            if unknown:
+                raise ValueError(f"entries names modules without a region being learned: {unknown[:3]}.")
+            for module, (indices, values) in hardened.items():
+                size = self.model.get_submodule(module).num_stored
+                check_entries(indices, values, size, f"entries[{module!r}]")
+        elif num_entries is not None:
+            if isinstance(num_entries, bool) or not isinstance(num_entries, int):
+                raise TypeError(f"num_entries must be an int, got {num_entries!r}.")
             moved = sum(int(learner.moved().sum()) for learner in learners.values())
             if not 1 <= num_entries <= moved:
                 raise ValueError(f"num_entries={num_entries} must lie in [1, {moved}] (the moved entries).")
@@ -345,6 +355,8 @@ class GraftModel(BaseTuner):
             raise ValueError(f"An adapter named {combined_name!r} already exists.")
         if not callable(combination) and combination not in COMBINATION_RULES:
             raise ValueError(f"Unknown combination={combination!r}: use one of {COMBINATION_RULES} or a callable.")
+        if isinstance(adapter_names, str) or not adapter_names:
+            raise ValueError(f"adapter_names must be a non-empty list of adapter names, got {adapter_names!r}.")
         for name in adapter_names:
             self._check_adapter(name)
         regions = {}  # computed whole before the model changes, so that a failing combination leaves no trace
@@ -588,6 +600,8 @@ def _combine(stacked: torch.Tensor, combination) -> torch.Tensor:
                 f"combination must map a (num_grafts, n) tensor to an (n,) tensor; it returned {shape} for "
                 f"{tuple(stacked.shape)} (NaN marks a graft without that entry)."
             )
+        if not bool(torch.isfinite(combined).all()):
+            raise ValueError(f"combination returned NaN or inf for {tuple(stacked.shape)} values.")
         return combined.float()
     if combination == "sum":
         return torch.nansum(stacked, 0)
