@@ -34,14 +34,14 @@ def check_entries(indices: object, values: object, size: int, where: str) -> Non
     """Refuse a hard region that is not sorted distinct int32/int64 flat ``indices`` into ``[0, size)`` with as many
     finite floating-point ``values``; ``where`` names it in the error."""
     if not (torch.is_tensor(indices) and torch.is_tensor(values)):
-        raise TypeError(f"{where}: indices and values must be tensors, got {type(indices).__name__} and "
-                        f"{type(values).__name__}.")  # fmt: skip
+        kinds = f"{type(indices).__name__} and {type(values).__name__}"
+        raise TypeError(f"{where}: indices and values must be tensors, got {kinds}.")
     if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
-        raise ValueError(f"{where}: indices must be a 1-D int32/int64 tensor, got {indices.dtype} "
-                         f"{tuple(indices.shape)}.")  # fmt: skip
+        got = f"{indices.dtype} {tuple(indices.shape)}"
+        raise ValueError(f"{where}: indices must be a 1-D int32/int64 tensor, got {got}.")
     if not values.is_floating_point() or values.shape != indices.shape:
-        raise ValueError(f"{where}: values must be floating point, one per index ({indices.numel()}), got "
-                         f"{values.dtype} {tuple(values.shape)}.")  # fmt: skip
+        got = f"{values.dtype} {tuple(values.shape)}"
+        raise ValueError(f"{where}: values must be floating point, one per index ({indices.numel()}), got {got}.")
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
         raise ValueError(f"{where}: indices out of range [0, {size}).")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):

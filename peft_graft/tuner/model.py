@@ -442,6 +442,10 @@ class GraftModel(BaseTuner):
         return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
 
+GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
+"""The tensors a graft layer saves per adapter."""
+
+
 def check_graft_tensors(
     config: GraftConfig, layers: dict[str, GraftLayer], tensor: Callable[[str, str], torch.Tensor | None]
 ) -> None:
@@ -501,10 +505,6 @@ def check_graft_state_dict(
                 )
             if not torch.isfinite(value).all():
                 raise ValueError(f"{where} holds NaN or inf: the file is corrupt. Save or download the adapter again.")
-
-
-GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
-"""The tensors a graft layer saves per adapter."""
 
 
 def check_loaded_graft(model: nn.Module, adapter_name: str) -> None:
