@@ -124,6 +124,49 @@ def test_trainer_callback_with_adamw_accumulation_and_clipping(tmp_path):
     assert callback.restriction is None and all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+def test_a_trainer_run_that_raises_leaves_no_restriction_behind(tmp_path):
+    """The hooks were removed only by on_train_end, which a raising run never reaches: a later plain run of the
+    model was then silently restricted."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    allowed = Region({"classifier.weight": torch.arange(model.get_parameter("classifier.weight").numel())})
+    args = fast_args(tmp_path, max_steps=4, per_device_train_batch_size=4, learning_rate=0.05)
+    bad = cls_dataset(n=16)
+    bad = bad.map(lambda row, i: {"labels": 7 if i == 9 else row["labels"]}, with_indices=True)  # 3rd step raises
+    callback = RestrictTrainingCallback(allowed=allowed)
+    with pytest.raises(IndexError):
+        Trainer(model=model, args=args, train_dataset=bad, callbacks=[callback]).train()
+    assert callback.restriction is None and all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    before = flat_state(model)
+    Trainer(model=model, args=args, train_dataset=cls_dataset(n=16)).train()
+    assert changed_entries(before, flat_state(model), "bert.pooler.dense.weight").numel() > 0
+
+
+def test_removing_a_restriction_mid_step_closes_the_step():
+    """optimizer.step() raised after before_step: remove() writes the frozen values back and restores the
+    optimizer's parameter groups (which a sparse allowed region changes for the step)."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    name = "bert.pooler.dense.weight"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    restriction = restrict_training(model, allowed=Region({name: torch.arange(10)}))
+    model(input_ids=input_ids()).logits.sum().backward()
+    restriction.before_step(optimizer)
+    assert len(optimizer.param_groups) > len(groups)  # the sparse allowed tensor left its decayed group
+    restriction.remove()
+    assert [list(group["params"]) for group in optimizer.param_groups] == groups
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+    restriction = restrict_training(model, frozen=Region({name: torch.arange(10)}))
+    before = flat_state(model)
+    restriction.before_step(torch.optim.SGD(model.parameters(), lr=0.5))
+    with torch.no_grad():
+        model.get_parameter(name).add_(1.0)  # a step that moved the whole tensor, then raised
+    restriction.remove()
+    assert changed_entries(before, flat_state(model), name).tolist() == list(range(10, 1024))
+
+
 def test_a_graft_model_is_restricted_by_plain_parameter_names():
     """peft's wrapping (base_layer, modules_to_save) is invisible to the regions: they name plain parameters."""
     pre, finetuned, _ = make_pair("bert_cls")

@@ -211,7 +211,10 @@ class TrainingRestriction:
         self.after_step()
 
     def remove(self) -> None:
-        """Detach the gradient hooks; the model trains unrestricted again."""
+        """Detach the gradient hooks; the model trains unrestricted again. A step left half done (``optimizer.step()``
+        raised after :meth:`before_step`) is closed first, so the disallowed entries keep their values."""
+        if self._regrouped is not None or any(entry.saved is not None for entry in self.restricted):
+            self.after_step()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -288,7 +291,8 @@ def restrict_training(
 class RestrictTrainingCallback(TrainerCallback):
     """Restrict any ``Trainer`` run to a region: ``Trainer(..., callbacks=[RestrictTrainingCallback(allowed=...)])``.
 
-    See :class:`TrainingRestriction`. The hooks are attached when training begins and removed when it ends.
+    See :class:`TrainingRestriction`. The hooks are attached when training begins and removed when it ends, also
+    when it ends with an error.
     """
 
     def __init__(self, allowed: Region | None = None, frozen: Region | None = None) -> None:
@@ -305,6 +309,11 @@ class RestrictTrainingCallback(TrainerCallback):
         self.restriction.after_step()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.on_train_error()
+
+    def on_train_error(self) -> None:
+        """Detach the hooks when ``Trainer.train`` raises (called by this package's wrapper of it: the Trainer has no
+        such event), so that a later run of the model is not restricted."""
         if self.restriction is not None:
             self.restriction.remove()
             self.restriction = None

@@ -3,7 +3,8 @@
 Persistence (:mod:`.persistence`): atomic saves, checked loads through peft and through transformers' adapter API,
 clear errors for malformed configs, ``push_to_hub`` with the graft's card. Here also: transformers'
 ``enable_adapters``, which re-enables adapter layers but not the ``modules_to_save`` heads its ``disable_adapters``
-disabled (a graft stores a new classification head whole), so that a re-enabled graft model runs with its head.
+disabled (a graft stores a new classification head whole), so that a re-enabled graft model runs with its head; and
+``Trainer.train``, so that a callback can clean up when training raises.
 Models without a graft adapter take the original path everywhere.
 """
 
@@ -16,7 +17,7 @@ from types import ModuleType
 from peft import PeftConfig, PeftModel
 from peft.utils import save_and_load
 from peft.utils.other import AuxiliaryTrainingWrapper
-from transformers import PreTrainedModel, modeling_utils
+from transformers import PreTrainedModel, Trainer, modeling_utils
 
 from .persistence import (
     is_graft_config,
@@ -43,6 +44,25 @@ def wrap_transformers_enable(original):
     return enable_adapters
 
 
+def wrap_trainer_train(original):
+    """``Trainer.train``: when it raises, each callback's ``on_train_error()`` (where one defines it, e.g.
+    ``RestrictTrainingCallback``) runs, since the Trainer has no such event and hooks a callback attached to the model
+    would otherwise outlive the run."""
+
+    @functools.wraps(original)
+    def train(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            for callback in self.callback_handler.callbacks:
+                on_error = getattr(callback, "on_train_error", None)
+                if callable(on_error):
+                    on_error()
+            raise
+
+    return train
+
+
 def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
     """``(class or module, method name, wrapper factory)`` of every library method the package wraps."""
     return [
@@ -53,6 +73,7 @@ def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
         (PeftConfig, "_get_peft_type", wrap_peft_type_reader),
         (PreTrainedModel, "load_adapter", wrap_transformers_load),
         (PreTrainedModel, "enable_adapters", wrap_transformers_enable),
+        (Trainer, "train", wrap_trainer_train),
         (save_and_load, "torch_load", wrap_torch_load),
         (modeling_utils, "_get_resolved_checkpoint_files", wrap_checkpoint_resolution),
     ]
