@@ -87,7 +87,7 @@ def test_planted_skill_is_recovered_from_an_empty_base_but_not_by_top_k_movement
             results[strategy] = (iou(model.get_region()), trainer.evaluate()["eval_accuracy"])
             continue
         trainer.train()
-        assert args.gradient_accumulation_steps == 2  # full batch (512 < 1024) = 2 x 256
+        assert trainer.args.gradient_accumulation_steps == 2  # full batch (512 < 1024) = 2 x 256
         results[strategy] = (iou(model.get_region()), trainer.evaluate()["eval_accuracy"])
     assert results["empty"][0] >= 0.75 and results["empty"][1] >= 0.95, results
     assert results["movement"][0] <= 0.5 and results["movement"][1] <= 0.8, results
@@ -283,7 +283,8 @@ def test_gradient_accumulation_gives_the_full_batch_step(tmp_path):
         _, model = learning_graft(region="empty")
         args = fast_args(tmp_path, per_device_train_batch_size=per_device, max_steps=1, learning_rate=1e3)
         trainer = MaskTrainer(model=model, args=args, train_dataset=data)
-        assert args.gradient_accumulation_steps == 16 // per_device
+        assert trainer.args.gradient_accumulation_steps == 16 // per_device
+        assert args.gradient_accumulation_steps == 1  # the caller's args are left as they were (reusable)
         trainer.args.num_entries = None
         before = scores(model)
         trainer.train = Trainer.train.__get__(trainer)  # keep the soft state to compare S
@@ -458,8 +459,10 @@ def test_uneven_global_batch_warns(tmp_path, caplog):
     _, model = learning_graft()
     with caplog.at_level(logging.WARNING, logger="peft_graft.training.mask"):
         args = fast_args(tmp_path, per_device_train_batch_size=4, max_steps=1)
-        MaskTrainer(model=model, args=args, train_dataset=cls_dataset(10))
-    assert "not a multiple" in caplog.text and args.gradient_accumulation_steps == 3
+        trainer = MaskTrainer(model=model, args=args, train_dataset=cls_dataset(10))
+    assert "not a multiple" in caplog.text and trainer.args.gradient_accumulation_steps == 3
+    _, model = learning_graft()
+    assert MaskTrainer(model=model, args=args, train_dataset=cls_dataset(4)).args.gradient_accumulation_steps == 1
 
 
 @pytest.mark.parametrize("mask_dropout", [False, True])
