@@ -121,7 +121,7 @@ def mask_trainer(pre: torch.nn.Module, finetuned, search: dict[str, float | int]
         output_dir="/tmp/bench_mask", report_to=[], use_cpu=device == "cpu", mask_batch_size=None
     )
     trainer = MaskTrainer(model=model, args=args)
-    assert args.gradient_accumulation_steps == 1  # one step = one micro-batch, as the plain step
+    assert trainer.args.gradient_accumulation_steps == 1  # one step = one micro-batch, as the plain step
     return trainer
 
 
