@@ -107,6 +107,44 @@ def test_batch_eval_metrics_gives_same_values(model, datasets_, tmp_path):
     assert imread(plots_dir / "eval-step0-confidence.png").shape[:2] == (480, 480)  # default size
 
 
+def test_batched_metrics_read_the_whole_set_once_and_forget_a_failed_evaluation():
+    """With batch_eval_metrics: a batch of binary logits inside [0, 1] is not read as probabilities when the rest
+    of the set says logits; a failed evaluation's batches do not leak into the next one."""
+    logits, labels = np.array([3.0, -2.0, 0.2, 0.9]), np.array([1, 0, 1, 1])
+    metrics = make_compute_metrics(metrics=["ece", "nll"])
+    assert metrics((logits[:2], labels[:2]), compute_result=False) == {}
+    assert metrics((logits[2:], labels[2:]), compute_result=True) == metrics((logits, labels))
+
+    metrics = make_compute_metrics(metrics=["accuracy"])
+    class_zero = np.array([[2.0, 0.0], [2.0, 0.0]])
+    metrics((class_zero, np.array([1, 1])), compute_result=False)
+    with pytest.raises(ValueError, match="outside the valid class range"):
+        metrics((class_zero, np.array([0, 7])), compute_result=True)
+    assert metrics((class_zero, np.array([0, 0])), compute_result=True) == {"accuracy": 1.0}
+
+
+def test_an_evaluation_that_raises_leaves_no_batches_behind(model, datasets_, tmp_path, monkeypatch):
+    compute_metrics = make_compute_metrics(n_bins=5)
+    trainer = Trainer(model=model, args=_args(tmp_path, batch_eval_metrics=True), compute_metrics=compute_metrics)
+    calls = []
+
+    def fail_on_the_second_batch(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted")
+        return original(*args, **kwargs)
+
+    original = trainer.prediction_step
+    monkeypatch.setattr(trainer, "prediction_step", fail_on_the_second_batch)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer.evaluate(eval_dataset=datasets_["id"])
+    assert compute_metrics._batches == []
+    monkeypatch.undo()
+    metrics = trainer.evaluate(eval_dataset=datasets_["id"])
+    expected = calibration_report(_logits(model, datasets_["id"]), datasets_["id"]["labels"], n_bins=5)
+    assert metrics["eval_ece"] == pytest.approx(expected["ece"], abs=1e-5)
+
+
 def test_compute_metrics_direct_call_and_errors():
     compute_metrics = make_compute_metrics(n_bins=2, metrics=["accuracy", "ece"], f1_average="binary")
     probs = np.array([[0.9, 0.1], [0.8, 0.2], [0.35, 0.65], [0.6, 0.4]])

@@ -71,7 +71,7 @@ class CalibrationMetrics:
     Create it with :func:`make_compute_metrics`. Returns a dict with ``accuracy``, ``f1`` (if requested) and the
     calibration metrics of :func:`~peft_graft.calibration.metrics.calibration_report` (``ece``, ``mce``,
     ``adaptive_ece``, ``classwise_ece``, ``brier``, ``nll`` by default). Supports ``batch_eval_metrics=True`` through
-    the ``compute_result`` argument (batches are accumulated on CPU as probabilities).
+    the ``compute_result`` argument (batches are kept on CPU until the last, and an evaluation that raises leaves none).
 
     Attributes:
         last: :class:`EvalSnapshot` of the most recent complete evaluation, or ``None``; consumed by
@@ -116,15 +116,26 @@ class CalibrationMetrics:
         predictions, label_ids = (
             (eval_pred.predictions, eval_pred.label_ids) if hasattr(eval_pred, "predictions") else eval_pred
         )
-        probs, labels = self._probs_and_labels(predictions, label_ids)
-        if compute_result is not None:  # batch_eval_metrics=True: accumulate until the last batch
-            self._batches.append((probs, labels))
+        if compute_result is None:
+            return self.compute(*self._probs_and_labels(predictions, label_ids))
+        # batch_eval_metrics=True: the raw batches are kept until the last one, then read as one set (so that
+        # input_type="auto" decides logits or probabilities once, for the whole set)
+        try:
+            predictions = _as_tensor(_first(predictions), "predictions")
+            self._batches.append((predictions, _as_tensor(_first(label_ids), "label_ids")))
             if not compute_result:
                 return {}
-            probs = torch.cat([p for p, _ in self._batches])
-            labels = torch.cat([y for _, y in self._batches])
-            self._batches = []
-        return self.compute(probs, labels)
+            predictions = torch.cat([p for p, _ in self._batches])
+            label_ids = torch.cat([y for _, y in self._batches])
+            self.reset()
+            return self.compute(*self._probs_and_labels(predictions, label_ids))
+        except BaseException:
+            self.reset()  # a failed evaluation leaves nothing behind for the next one
+            raise
+
+    def reset(self) -> None:
+        """Forget the batches of an evaluation in progress (also done when ``Trainer.evaluation_loop`` raises)."""
+        self._batches = []
 
     def compute(self, probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """Metrics of validated ``(n, C)`` probabilities and labels; also stores :attr:`last`."""

@@ -4,7 +4,7 @@ Persistence (:mod:`.persistence`): atomic saves, checked loads through peft and 
 clear errors for malformed configs, ``push_to_hub`` with the graft's card. Here also: transformers'
 ``enable_adapters``, which re-enables adapter layers but not the ``modules_to_save`` heads its ``disable_adapters``
 disabled (a graft stores a new classification head whole), so that a re-enabled graft model runs with its head; and
-``Trainer.train``, so that a callback can clean up when training raises.
+``Trainer.train`` and ``Trainer.evaluation_loop``, so that callbacks and metrics can clean up when they raise.
 Models without a graft adapter take the original path everywhere.
 """
 
@@ -63,6 +63,23 @@ def wrap_trainer_train(original):
     return train
 
 
+def wrap_evaluation_loop(original):
+    """``Trainer.evaluation_loop``: when it raises, a ``compute_metrics`` with a ``reset()`` (e.g.
+    ``CalibrationMetrics``, which keeps the batches of ``batch_eval_metrics``) forgets the failed evaluation."""
+
+    @functools.wraps(original)
+    def evaluation_loop(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            reset = getattr(self.compute_metrics, "reset", None)
+            if callable(reset):
+                reset()
+            raise
+
+    return evaluation_loop
+
+
 def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
     """``(class or module, method name, wrapper factory)`` of every library method the package wraps."""
     return [
@@ -74,6 +91,7 @@ def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
         (PreTrainedModel, "load_adapter", wrap_transformers_load),
         (PreTrainedModel, "enable_adapters", wrap_transformers_enable),
         (Trainer, "train", wrap_trainer_train),
+        (Trainer, "evaluation_loop", wrap_evaluation_loop),
         (save_and_load, "torch_load", wrap_torch_load),
         (modeling_utils, "_get_resolved_checkpoint_files", wrap_checkpoint_resolution),
     ]
