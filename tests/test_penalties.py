@@ -35,7 +35,10 @@ def test_penalty_only_trainable_or_named_parameters():
         MovementL1Penalty(model, 1.0, parameters=["nope"])
 
 
-@pytest.mark.parametrize(("strength", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("1", TypeError)])
+@pytest.mark.parametrize(
+    ("strength", "error"),
+    [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError)],
+)
 def test_penalty_bad_strength(strength, error):
     with pytest.raises(error, match="strength"):
         MovementL1Penalty(torch.nn.Linear(2, 2), strength)

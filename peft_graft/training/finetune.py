@@ -10,6 +10,7 @@ With AdamW, fine-tuning spreads its changes over many parameters and sparse graf
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -37,8 +38,8 @@ class MovementL1Penalty:
     def __init__(self, model: nn.Module, strength: float, parameters: Iterable[str] | None = None) -> None:
         if isinstance(strength, bool) or not isinstance(strength, (int, float)):
             raise TypeError(f"strength must be a float, got {type(strength).__name__}.")
-        if not strength >= 0:
-            raise ValueError(f"strength must be >= 0, got {strength}: e.g. 1e-3 as in the paper's Figure 5.")
+        if not 0 <= strength < math.inf:
+            raise ValueError(f"strength must be finite and >= 0, got {strength}: e.g. 1e-3 as in the paper's Figure 5.")
         named = dict(model.named_parameters())
         if parameters is None:
             names = [n for n, p in named.items() if p.requires_grad]
