@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -265,6 +266,25 @@ def test_sparse_allowed_regions_skip_the_copy_and_train_as_the_copying_path(opti
         torch.testing.assert_close(after[name], reference[name], rtol=1e-6, atol=1e-7)
     assert all(fast_optimizer.param_groups[0][k] == v for k, v in {"weight_decay": 0.1}.items())
     assert len(fast_optimizer.param_groups) == 1
+
+
+def test_an_optimizer_under_a_loss_scaler_takes_the_copying_path():
+    """accelerate's wrapper of an fp16 run holds a scaler: the gradients may still be scaled before the step (no
+    clipping), so weight decay added by hand would be divided by the loss scale; every tensor is copied instead."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    region = sparse_region(model, 0.05, seed=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    wrapper = SimpleNamespace(optimizer=optimizer, scaler=object())  # as accelerate's AcceleratedOptimizer
+    with restrict_training(model, allowed=region) as restriction:
+        model(input_ids=input_ids()).logits.sum().backward()
+        before = flat_state(model)
+        restriction.before_step(wrapper)
+        assert len(optimizer.param_groups) == 1 and all(e.saved is not None for e in restriction.restricted)
+        optimizer.step()
+        restriction.after_step()
+    after = flat_state(model)
+    assert all(bool(torch.isin(changed_entries(before, after, n), region[n]).all()) for n in before)
 
 
 def test_optimizer_state_from_before_the_restriction_takes_the_copying_path():

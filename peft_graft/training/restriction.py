@@ -137,8 +137,11 @@ class TrainingRestriction:
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Just before ``optimizer.step()``: drop the gradients of whole frozen tensors, copy partly frozen values (or,
         given a ``torch.optim`` SGD/Adam/AdamW ``optimizer``, take sparse allowed entries out of weight decay)."""
+        # Under accelerate's loss scaler (fp16) the gradients may still be scaled here, and a step may be skipped: the
+        # hand-made weight decay of the sparse path would be wrong, so every tensor takes the copying path then.
+        scaled = getattr(optimizer, "scaler", None) is not None
         optimizer = _unwrapped(optimizer)
-        sparse = [e for e in self.restricted if e.inside_allowed and e.param.grad is not None]
+        sparse = [e for e in self.restricted if e.inside_allowed and e.param.grad is not None and not scaled]
         sparse = [e for e in sparse if _zero_update_outside(e, optimizer)]
         if sparse:
             self._decay_by_hand(optimizer, sparse)
