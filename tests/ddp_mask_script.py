@@ -71,7 +71,8 @@ def main(output_dir: str, search_fraction: float | None) -> None:
     assert not any(isinstance(m, GraftLayer) and m.is_learning("default") for m in model.modules())
     trainer.save_model(os.path.join(output_dir, "final"))
     if trainer.is_world_process_zero():
-        print(f"world_size={args.world_size} accumulation={args.gradient_accumulation_steps} {trainer.mask_report}")
+        accumulation = trainer.args.gradient_accumulation_steps
+        print(f"world_size={args.world_size} accumulation={accumulation} {trainer.mask_report}")
     if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads sometimes abort the process
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
