@@ -180,7 +180,7 @@ class MaskTrainer(LossTermsTrainer):
                 "never been run. Use DDP instead (torchrun or accelerate launch without fsdp), which keeps S, its "
                 "gradient and theta_ft - theta_pre whole on each rank."
             )
-        args = copy.copy(args)  # the derived gradient_accumulation_steps is this trainer's, not the caller's args'
+        args = copy.copy(args)  # the derived gradient_accumulation_steps is this trainer's, not the caller's
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
             param.requires_grad_(f"graft_learning.{adapter_name}.scores" in name)

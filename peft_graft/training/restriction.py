@@ -312,11 +312,14 @@ class RestrictTrainingCallback(TrainerCallback):
         self.restriction.after_step()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.on_train_error()
+        self._detach()
 
     def on_train_error(self) -> None:
-        """Detach the hooks when ``Trainer.train`` raises (called by this package's wrapper of it: the Trainer has no
-        such event), so that a later run of the model is not restricted."""
+        """Called by this package's wrapper of ``Trainer.train`` when it raises (the Trainer has no such event):
+        detach the hooks, so that a later run of the model is not restricted."""
+        self._detach()
+
+    def _detach(self) -> None:
         if self.restriction is not None:
             self.restriction.remove()
             self.restriction = None
