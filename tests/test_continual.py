@@ -205,6 +205,9 @@ def test_bad_input_is_a_clear_error(pre, tmp_path):
         learner.start_task("mr", region, head={})
     with pytest.raises(ValueError, match="no module 'head'"):
         ContinualGrafter(clone_model(pre), heads=["head"])
+    tied, _, _ = make_pair("gpt2")  # its lm_head is the token embedding: it would train whole per task
+    with pytest.raises(ValueError, match=r"lm_head\.weight is tied to 'transformer\.wte\.weight' outside the head"):
+        ContinualGrafter(clone_model(tied), heads=["lm_head"])
     with pytest.raises(TypeError, match="plain pre-trained model"):
         ContinualGrafter(get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre), num_entries=5)))
     learner.start_task("mr", region)

@@ -287,6 +287,20 @@ def test_an_optimizer_under_a_loss_scaler_takes_the_copying_path():
     assert all(bool(torch.isin(changed_entries(before, after, n), region[n]).all()) for n in before)
 
 
+def test_adam_without_eps_takes_the_copying_path():
+    """With eps=0 Adam's update of a zero gradient and zero state is 0/0: NaN written into frozen entries."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    region = sparse_region(model, 0.05, seed=4)
+    before = flat_state(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, eps=0.0)
+    with restrict_training(model, allowed=region) as restriction:
+        train(model, optimizer, restriction)
+    after = flat_state(model)
+    for name in before:
+        assert bool(torch.isin(changed_entries(before, after, name), region[name]).all()), name
+
+
 def test_optimizer_state_from_before_the_restriction_takes_the_copying_path():
     """Momentum gathered before the restriction began would move frozen entries with a zero gradient: copied back."""
     pre, _, _ = make_pair("bert_cls")

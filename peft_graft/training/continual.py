@@ -102,6 +102,17 @@ class ContinualGrafter:
                 module = model.get_submodule(head)
             except AttributeError as error:
                 raise ValueError(f"heads: the model has no module {head!r}.") from error
+            for attr, param in module.named_parameters(remove_duplicate=False):
+                shared = sorted(
+                    n for n, p in model.named_parameters(remove_duplicate=False)
+                    if p is param and not n.startswith(f"{head}.")
+                )  # fmt: skip
+                if shared:
+                    raise ValueError(
+                        f"heads: {head}.{attr} is tied to {shared[0]!r} outside the head (tied embeddings), so it "
+                        "cannot be trained whole per task. Leave that head out of heads: its tensor is trained "
+                        "through the task regions like the rest of the body."
+                    )
             self._head_params += [self._canonical[f"{head}.{n}"] for n, _ in module.named_parameters()]
         self.tasks: list[ContinualTask] = []
         self._running: dict | None = None

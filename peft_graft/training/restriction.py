@@ -248,8 +248,8 @@ def _zero_update_outside(entry: _Restricted, optimizer) -> bool:
     SGD/Adam/AdamW step (not ``maximize``) whose state is zero there (checked once per optimizer)."""
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return False
-    if any(group.get("maximize") for group in optimizer.param_groups):
-        return False
+    if any(group.get("maximize") or group.get("eps", 1.0) == 0 for group in optimizer.param_groups):
+        return False  # (Adam with eps=0 divides 0 by 0 where the gradient and state are zero)
     key = id(optimizer)
     if key not in entry.zero_state:
         state, numel = optimizer.state.get(entry.param, {}), entry.param.numel()
