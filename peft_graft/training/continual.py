@@ -93,8 +93,10 @@ class ContinualGrafter:
         self.heads = list(heads)
         self._canonical: dict[str, str] = {}  # any name of a parameter (tied ones have several) -> its first name
         first_name: dict[int, str] = {}
+        aliases: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             self._canonical[name] = first_name.setdefault(id(param), name)
+            aliases.setdefault(id(param), []).append(name)
         self._params = dict(model.named_parameters())
         self._head_params: list[str] = []
         for head in self.heads:
@@ -103,10 +105,7 @@ class ContinualGrafter:
             except AttributeError as error:
                 raise ValueError(f"heads: the model has no module {head!r}.") from error
             for attr, param in module.named_parameters(remove_duplicate=False):
-                shared = sorted(
-                    n for n, p in model.named_parameters(remove_duplicate=False)
-                    if p is param and not n.startswith(f"{head}.")
-                )  # fmt: skip
+                shared = [name for name in aliases[id(param)] if not name.startswith(f"{head}.")]
                 if shared:
                     raise ValueError(
                         f"heads: {head}.{attr} is tied to {shared[0]!r} outside the head (tied embeddings), so it "
