@@ -16,7 +16,7 @@ from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout
 from ..regions import Region
-from .config import GRAFT_PREFIX, GraftConfig
+from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
 from .in_place import written_in_place
 from .layer import GraftLayer, check_scale
@@ -319,8 +319,7 @@ class GraftModel(BaseTuner):
                 size = self.model.get_submodule(module).num_stored
                 check_entries(indices, values, size, f"entries[{module!r}]")
         elif num_entries is not None:
-            if isinstance(num_entries, bool) or not isinstance(num_entries, int):
-                raise TypeError(f"num_entries must be an int, got {num_entries!r}.")
+            _check_count("num_entries", num_entries)
             moved = sum(int(learner.moved().sum()) for learner in learners.values())
             if not 1 <= num_entries <= moved:
                 raise ValueError(f"num_entries={num_entries} must lie in [1, {moved}] (the moved entries).")
