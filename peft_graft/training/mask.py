@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SCORES_NAME = "graft_scores.safetensors"
 FINGERPRINT_KEY = "learning_fingerprint"  # metadata of SCORES_NAME: see MaskTrainer.learning_fingerprint
 LABEL_KEYS = ("labels", "label", "label_ids", "start_positions")
+OVERSHOOT = 3  # round(gamma) this many times the num_entries budget: most of the learned region is trimmed away
 
 
 @dataclass
@@ -336,12 +337,25 @@ class MaskTrainer(LossTermsTrainer):
                 "it. The learned scores are kept: set trainer.args.num_entries and call trainer.finalize_mask()."
             )
         self.finalize_mask()
-        logger.info(
-            "Grafted entries: %(grafted_entries_rounded)d by round(gamma), %(grafted_entries)d kept.", self.mask_report
-        )
+        self._log_kept_entries()
         if self.is_world_process_zero():
             self.log({f"final_{k}": v for k, v in self.mask_report.items()})
         return output
+
+    def _log_kept_entries(self) -> None:
+        """INFO with the sizes kept; a WARNING when the budget trimmed away most of round(gamma), whose discarded
+        entries the user likely meant to learn."""
+        rounded, kept = self.mask_report["grafted_entries_rounded"], self.mask_report["grafted_entries"]
+        if self.args.num_entries is not None and "selected_step" not in self.mask_report and rounded > OVERSHOOT * kept:
+            logger.warning(
+                "round(gamma) holds %d entries, %.1fx the budget num_entries=%d: only the entries of largest score "
+                "were kept. Lower learning_rate or max_steps, or raise num_entries.",
+                rounded,
+                rounded / kept,
+                kept,
+            )
+        else:
+            logger.info("Grafted entries: %d by round(gamma), %d kept.", rounded, kept)
 
     def _check_distributed_wrapping(self) -> None:
         """Refuse to train without DDP in a DDP run: an evaluation before the first ``train`` makes accelerate mark

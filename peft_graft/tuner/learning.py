@@ -84,6 +84,18 @@ class RegionLearner(nn.Module):
         gamma = torch.sigmoid(self.scores)
         return gamma.index_put((self.base_region,), 1.0 - gamma[self.base_region])
 
+    def gamma_order(self) -> torch.Tensor:
+        """A key that orders the search space as ``gamma`` does without saturating: ``S`` outside ``gamma_base``,
+        ``-S`` inside it (``gamma = sigmoid(-S)`` there), ``-inf`` where fine-tuning moved nothing.
+
+        ``sigmoid(S)`` is exactly 1.0 in fp32 for ``S >= 16.7``, while the paper's learning rates take S to thousands:
+        ranking gamma itself would tie every learned entry and let module order pick the region.
+        """
+        with torch.no_grad():
+            key = self.scores.detach().clone()
+            key[self.base_region] = -key[self.base_region]
+            return key.masked_fill_(~self.moved(), -torch.inf)
+
     def moved(self) -> torch.Tensor:
         """Which entries of the search space fine-tuning moved (only those can be grafted)."""
         return self._movement() != 0
@@ -201,9 +213,10 @@ class RegionLearner(nn.Module):
 def harden_exact(learners: dict[str, RegionLearner], k: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Exactly ``k`` moved entries of largest gamma over all learners: module -> (flat indices, values).
 
-    Ties go to the earlier module, then the lower index.
+    Entries are ranked by :meth:`RegionLearner.gamma_order` (the scores, not their saturating sigmoid); exact ties go
+    to the earlier module, then the lower index.
     """
     with torch.no_grad():
-        gammas = {module: torch.where(learner.moved(), learner.gamma(), -1.0) for module, learner in learners.items()}
-        region = global_top_k(gammas, k)  # positions in each module's S
+        keys = {module: learner.gamma_order() for module, learner in learners.items()}
+        region = global_top_k(keys, k)  # positions in each module's S
         return {module: learners[module].entries_at(positions) for module, positions in region.items()}
