@@ -7,11 +7,13 @@ the original path. ``PeftConfig.from_json_file`` and ``PeftConfig._get_peft_type
 too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``ValueError`` naming the file, not a raw
 ``KeyError`` or ``JSONDecodeError``.
 
-- ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
-  ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves
-  and hard links to the replaced files kept until all are in place. A save killed part way (even by SIGKILL) is
-  finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which also removes
-  the staging folders of dead processes: the folder holds the previous adapter or the new one, never a mix.
+- ``save_pretrained`` holds an advisory lock file beside the destination (:func:`folder_lock`), so that saves of one
+  folder from several processes take turns. It saves into a staging folder beside the destination, then moves each
+  file into place with ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held
+  off during the moves and hard links to the replaced files kept until all are in place. A save killed part way (even
+  by SIGKILL) is finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which
+  also removes the staging folders of dead processes: the folder holds the previous adapter or the new one, never a
+  mix.
 - The config of a saved graft records the sha256 of its weights file (``weights_checksum``); loading a local graft
   whose file does not match it is a ``ValueError``.
 - A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
@@ -32,9 +34,10 @@ import os
 import shutil
 import signal
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import safetensors.torch
+from filelock import FileLock
 from huggingface_hub import HfApi, ModelCard
 from peft import PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
@@ -42,6 +45,7 @@ from safetensors import SafetensorError
 
 from .._checksum import CONFIG_NAME, WEIGHTS_NAME, record_weights_checksum, verify_weights_checksum
 from .config import GRAFT_NAME, GRAFT_PREFIX
+from .in_place import state_change
 from .layer import GraftLayer
 from .model import check_graft_state_dict, check_loaded_graft
 
@@ -51,34 +55,64 @@ CARD_TAGS = ("graft", "skill-localization")
 CARD_SECTION = "## Graft"
 
 
-def _is_graft(model: PeftModel) -> bool:
+def is_graft_model(model: PeftModel) -> bool:
+    """Whether ``model`` (a ``PeftModel``) holds a graft adapter."""
     return any(str(c.peft_type).lower().endswith(GRAFT_NAME) for c in model.peft_config.values())
 
 
 def wrap_save(original):
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
-        if not _is_graft(self) or not kwargs.get("is_main_process", True):
+        if not is_graft_model(self) or not kwargs.get("is_main_process", True):
             return original(self, save_directory, *args, **kwargs)
         save_directory = os.path.abspath(os.fspath(save_directory))
         parent = os.path.dirname(save_directory)
         os.makedirs(parent, exist_ok=True)
-        recover_interrupted_save(save_directory)
-        staging = tempfile.mkdtemp(prefix=_side_prefix(save_directory, STAGING), dir=parent)
-        try:
-            existing_card = os.path.join(save_directory, "README.md")
-            if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
-                shutil.copy2(existing_card, staging)
-            original(self, staging, *args, **kwargs)
-            for root, _, names in os.walk(staging):
-                if CONFIG_NAME in names:
-                    record_weights_checksum(root)
-            write_graft_card_section(self, staging)
-            _move_into_place(staging, save_directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with folder_lock(save_directory):  # one save of a folder at a time, across threads and processes
+            recover_interrupted_save(save_directory)
+            staging = tempfile.mkdtemp(prefix=_side_prefix(save_directory, STAGING), dir=parent)
+            try:
+                existing_card = os.path.join(save_directory, "README.md")
+                if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
+                    shutil.copy2(existing_card, staging)
+                original(self, staging, *args, **kwargs)
+                for root, _, names in os.walk(staging):
+                    if CONFIG_NAME in names:
+                        record_weights_checksum(root)
+                write_graft_card_section(self, staging)
+                _move_into_place(staging, save_directory)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
 
     return save_pretrained
+
+
+def folder_lock(destination: str) -> FileLock:
+    """The advisory lock of a save folder: the file ``.<name>.lock`` beside it (as ``huggingface_hub`` locks its
+    downloads). Saves hold it from start to end, so that two processes (or threads) saving into one folder take turns
+    rather than leaving one graft's weights beside the other's config; loads of a local folder hold it while they read.
+    The system drops it when its holder dies."""
+    parent, name = os.path.split(os.path.abspath(os.fspath(destination)))
+    return FileLock(os.path.join(parent, f".{name}.lock"))
+
+
+@contextmanager
+def _read_lock(model_id):
+    """:func:`folder_lock` of a local adapter folder while it is read; nothing for a Hub id, or where no lock file can
+    be created (a read-only folder, which no save writes into either)."""
+    if not (isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id)):
+        yield
+        return
+    lock = folder_lock(os.fspath(model_id))
+    try:
+        lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _check_local_folder(model_id, subfolder: str | None) -> None:
@@ -106,7 +140,12 @@ def _corrupt_file_error(model_id, error: SafetensorError) -> ValueError:
 def wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
-        _check_local_folder(model_id, kwargs.get("subfolder"))
+        # A graft model's forwards in other threads wait for the load; one from a hook is refused.
+        with state_change("load_adapter()") if is_graft_model(self) else nullcontext(), _read_lock(model_id):
+            _check_local_folder(model_id, kwargs.get("subfolder"))
+            return _load_checked(self, model_id, adapter_name, *args, **kwargs)
+
+    def _load_checked(self, model_id, adapter_name, *args, **kwargs):
         is_new = adapter_name not in self.peft_config
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
@@ -306,7 +345,7 @@ def wrap_peft_type_reader(original):
 def wrap_push(original):
     @functools.wraps(original)
     def push_to_hub(self, repo_id, *args, commit_message=None, private=None, token=None, revision=None, **kwargs):
-        if not _is_graft(self):
+        if not is_graft_model(self):
             return original(
                 self,
                 repo_id,
