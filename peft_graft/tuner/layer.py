@@ -332,8 +332,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Refuse to apply a graft whose entries were never loaded, or one made for other pre-trained values (see
         ``GraftConfig.verify_base``)."""
         self.check_filled(adapter_name)
-        expected = self.fingerprints.get(adapter_name)
-        if not expected or not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
+        expected = self.fingerprints.get(adapter_name) or []  # a config without it still has its checksum checked
+        if not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
             return
         indices = self.graft_indices[adapter_name][: len(expected)]
         found = self.base_values(indices)

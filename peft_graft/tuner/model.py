@@ -83,6 +83,8 @@ class GraftModel(BaseTuner):
             )
         layout = build_layout(model)
         self._plan = plan_loaded_graft(config, layout) if config.is_created else plan_new_graft(model, config, layout)
+        if config.is_created:
+            _check_saved_whole(config, adapter_name, self._plan.targets)
         # The config fully determines the targets; peft's key-based injection from a state dict would miss tied users.
         super().inject_adapter(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict=None)
         if not config.is_created:
@@ -574,6 +576,18 @@ def check_loaded_graft(model: nn.Module, adapter_name: str) -> None:
         return tensors[adapter_name] if adapter_name in tensors else None  # noqa: SIM401 (BufferDict has no get)
 
     check_graft_tensors(config, layers, tensor)
+
+
+def _check_saved_whole(config: GraftConfig, adapter_name: str, targets) -> None:
+    """A loaded graft's ``modules_to_save`` may not name a module it grafts (peft would fail wrapping a graft layer)."""
+    for name in config.modules_to_save or []:
+        clash = sorted(key for key in targets if key == name or key.endswith(f".{name}"))
+        if clash:
+            raise ValueError(
+                f"{config.source} (adapter {adapter_name!r}) lists modules_to_save={config.modules_to_save}, but the "
+                f"graft grafts module {clash[0]!r} (its entries, or a tensor tied to them): a module is stored whole "
+                "or grafted, not both. The config was altered: save or download the adapter again."
+            )
 
 
 def check_adapter_name(name: object) -> None:

@@ -36,6 +36,7 @@ import signal
 import tempfile
 from contextlib import contextmanager, nullcontext
 
+import safetensors
 import safetensors.torch
 from filelock import FileLock
 from huggingface_hub import HfApi, ModelCard
@@ -43,7 +44,13 @@ from peft import PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
 
-from .._checksum import CONFIG_NAME, WEIGHTS_NAME, record_weights_checksum, verify_weights_checksum
+from .._checksum import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_integrity_fields,
+    record_weights_checksum,
+    verify_weights_checksum,
+)
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
 from .layer import GraftLayer
@@ -65,6 +72,11 @@ def wrap_save(original):
     def save_pretrained(self, save_directory, *args, **kwargs):
         if not is_graft_model(self) or not kwargs.get("is_main_process", True):
             return original(self, save_directory, *args, **kwargs)
+        if not kwargs.get("safe_serialization", args[0] if args else True):
+            raise ValueError(
+                "save_pretrained(safe_serialization=False) would write the graft as adapter_model.bin (a pickle), "
+                "which peft_graft never loads: graft weights are saved as safetensors only. Drop the argument."
+            )
         save_directory = os.path.abspath(os.fspath(save_directory))
         parent = os.path.dirname(save_directory)
         os.makedirs(parent, exist_ok=True)
@@ -115,13 +127,16 @@ def _read_lock(model_id):
         lock.release()
 
 
-def _check_local_folder(model_id, subfolder: str | None) -> None:
-    """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, verify the
-    weights checksum."""
+def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
+    """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, graft tensors
+    under another method's ``peft_type`` and missing integrity fields, verify the weights checksum. ``config``: the
+    graft config the loader was given, if any."""
     if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
         recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
         folder = os.path.join(os.fspath(model_id), subfolder or "")
         _refuse_pickled_graft(folder)
+        _refuse_graft_tensors_of_another_method(folder)
+        check_integrity_fields(folder, config if is_graft_config(config) else None)
         verify_weights_checksum(folder)
 
 
@@ -142,7 +157,7 @@ def wrap_load(original):
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
         with state_change("load_adapter()") if is_graft_model(self) else nullcontext(), _read_lock(model_id):
-            _check_local_folder(model_id, kwargs.get("subfolder"))
+            _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
             return _load_checked(self, model_id, adapter_name, *args, **kwargs)
 
     def _load_checked(self, model_id, adapter_name, *args, **kwargs):
@@ -248,6 +263,34 @@ def _remove_loaded_graft(model, adapter_name: str, previously_active: list[str])
         model._hf_peft_config_loaded = False
 
 
+GRAFT_ONLY_FIELDS = ("grafted_modules", "base_checksum", "base_fingerprint", "exact_entries", "format_version")
+"""Fields only a graft's adapter config holds."""
+
+
+def _refuse_graft_tensors_of_another_method(folder: str) -> None:
+    """A graft folder whose ``peft_type`` was changed to another method's would load as that method's adapter."""
+    try:
+        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return
+    if not isinstance(config, dict) or str(config.get("peft_type", "")).lower() == GRAFT_NAME:
+        return
+    weights, holds_graft = os.path.join(folder, WEIGHTS_NAME), False
+    if os.path.isfile(weights):
+        try:
+            with safetensors.safe_open(weights, "pt") as handle:
+                holds_graft = any(f".{GRAFT_PREFIX}indices" in key for key in handle.keys())  # noqa: SIM118
+        except SafetensorError:
+            return  # not readable: the loader reports it
+    if holds_graft:
+        raise ValueError(
+            f"{os.path.join(folder, CONFIG_NAME)!r} names peft_type={config.get('peft_type')!r}, but "
+            f"{WEIGHTS_NAME} holds graft tensors (graft_indices): the config was altered. A graft's peft_type is "
+            "'GRAFT'. Save or download the adapter again."
+        )
+
+
 def _refuse_pickled_graft(folder: str) -> None:
     """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
     try:
@@ -321,6 +364,13 @@ def wrap_config_reader(original):
                 f"{os.fspath(path_json_file)!r} names peft_type={peft_type!r}, which no registered peft method knows. "
                 "A graft needs `import peft_graft` before loading; another method needs the peft version or package "
                 "that defines it."
+            )
+        graft_fields = [name for name in GRAFT_ONLY_FIELDS if loaded.get(name)]
+        if peft_type is not None and graft_fields and peft_type.lower() != GRAFT_NAME:
+            raise ValueError(
+                f"{os.fspath(path_json_file)!r} names peft_type={peft_type!r} but holds a graft's fields "
+                f"({', '.join(graft_fields)}): the config was altered. A graft's peft_type is 'GRAFT'; save or "
+                "download the adapter again."
             )
         return loaded
 
