@@ -31,6 +31,11 @@ def graft(tmp_path):
     return pre, get_peft_model(base, GraftConfig(finetuned=finetuned, num_entries=123))
 
 
+def side_files(folder) -> list[str]:
+    """The hidden staging and backup folders beside a save of ``folder / "graft"`` (its lock file stays, as hf's)."""
+    return [p.name for p in folder.iterdir() if p.name.startswith(".graft.") and p.name != ".graft.lock"]
+
+
 def card_metadata(folder) -> dict:
     text = (folder / "README.md").read_text()
     return yaml.safe_load(text.split("---")[1])
@@ -126,7 +131,7 @@ def test_a_save_whose_move_fails_leaves_the_previous_adapter(graft, tmp_path, mo
         other.save_pretrained(target)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")] == []
+    assert side_files(tmp_path) == []
     assert torch.equal(logits(PeftModel.from_pretrained(clone_model(pre), target)), logits(model))
 
 
@@ -174,7 +179,7 @@ def test_save_killed_between_moves_is_undone_or_finished_by_the_next_load(graft,
     script = KILLED_SAVE.format(tests=str(Path(__file__).parent), target=str(target), moves=moves)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 9, done.stderr
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")]  # the killed save left folders
+    assert side_files(tmp_path)  # the killed save left folders
 
     other = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
     loaded = PeftModel.from_pretrained(clone_model(pre), target)
@@ -183,7 +188,7 @@ def test_save_killed_between_moves_is_undone_or_finished_by_the_next_load(graft,
     # Card, weights and config move in that order: before the config moved, the previous adapter is restored.
     expected = other if moves == 3 else model
     assert torch.equal(logits(loaded), logits(expected))
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")] == [".graft.lock"]  # kept, as hf's
+    assert side_files(tmp_path) == []
     card = (target / "README.md").read_text()
     assert ("| default | 50 |" in card) == (moves == 3)  # the card is restored with the rest
 

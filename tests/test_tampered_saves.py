@@ -107,7 +107,7 @@ def test_without_its_fingerprint_the_base_checksum_is_still_checked(pair, saved)
 @pytest.mark.parametrize("loader", ["peft", "transformers"])
 def test_a_graft_folder_relabelled_as_lora_is_refused(pair, saved, loader):
     edit_config(saved, lambda c: c.update(peft_type="LORA"))
-    with pytest.raises(ValueError, match="names peft_type='LORA',? but"):
+    with pytest.raises(ValueError, match=r"names peft_type='LORA',? but"):
         LOADERS[loader](pair[0], str(saved))
 
 

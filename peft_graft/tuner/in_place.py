@@ -131,11 +131,14 @@ WRITE_LOCK = threading.RLock()
 every change of a model's state (re-entrant: a nested forward in the same thread takes it again)."""
 
 
-class _Forwards(threading.local):
-    """The graft forwards running in this thread."""
+class _Forwards:
+    """The graft forwards under way. Only a thread holding :data:`WRITE_LOCK` runs one, and it holds the lock until
+    its forward ends: a thread that holds the lock and finds ``depth > 0`` is inside a forward itself."""
+
+    __slots__ = ("depth",)
 
     def __init__(self) -> None:
-        self.depth = 0  # forwards of graft models and graft layers under way
+        self.depth = 0  # forwards of graft models and graft layers under way, changed only under WRITE_LOCK
 
 
 FORWARDS = _Forwards()

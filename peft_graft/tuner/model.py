@@ -232,14 +232,17 @@ class GraftModel(BaseTuner):
 
     @changes_state()
     def unmerge_adapter(self) -> None:
+        """peft's ``unmerge_adapter``, under the lock forwards hold."""
         super().unmerge_adapter()
 
     @changes_state(structural=False)
     def enable_adapter_layers(self) -> None:
+        """peft's ``enable_adapter_layers``, under the lock forwards hold."""
         super().enable_adapter_layers()
 
     @changes_state(structural=False)
     def disable_adapter_layers(self) -> None:
+        """peft's ``disable_adapter_layers``, under the lock forwards hold."""
         super().disable_adapter_layers()
 
     @changes_state()

@@ -102,29 +102,9 @@ def wrap_save(original):
 def folder_lock(destination: str) -> FileLock:
     """The advisory lock of a save folder: the file ``.<name>.lock`` beside it (as ``huggingface_hub`` locks its
     downloads). Saves hold it from start to end, so that two processes (or threads) saving into one folder take turns
-    rather than leaving one graft's weights beside the other's config; loads of a local folder hold it while they read.
-    The system drops it when its holder dies."""
+    rather than leaving one graft's weights beside the other's config. The system drops it when its holder dies."""
     parent, name = os.path.split(os.path.abspath(os.fspath(destination)))
     return FileLock(os.path.join(parent, f".{name}.lock"))
-
-
-@contextmanager
-def _read_lock(model_id):
-    """:func:`folder_lock` of a local adapter folder while it is read; nothing for a Hub id, or where no lock file can
-    be created (a read-only folder, which no save writes into either)."""
-    if not (isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id)):
-        yield
-        return
-    lock = folder_lock(os.fspath(model_id))
-    try:
-        lock.acquire()
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
@@ -156,7 +136,7 @@ def wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
-        with state_change("load_adapter()") if is_graft_model(self) else nullcontext(), _read_lock(model_id):
+        with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
             _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
             return _load_checked(self, model_id, adapter_name, *args, **kwargs)
 
@@ -274,8 +254,11 @@ def _refuse_graft_tensors_of_another_method(folder: str) -> None:
             config = json.load(handle)
     except (OSError, ValueError):
         return
-    if not isinstance(config, dict) or str(config.get("peft_type", "")).lower() == GRAFT_NAME:
-        return
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    peft_type = str(config.get("peft_type")) if isinstance(config, dict) else ""
+    if peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type.lower() == GRAFT_NAME:
+        return  # a graft, or a peft_type the config reader refuses
     weights, holds_graft = os.path.join(folder, WEIGHTS_NAME), False
     if os.path.isfile(weights):
         try:
