@@ -1,4 +1,5 @@
-"""The checksum of a saved graft's weights file, recorded in its ``adapter_config.json`` and verified on load."""
+"""The integrity record of a saved graft, in its ``adapter_config.json``: the checksum of its weights file, verified on
+load, and the format version that says which fields a save records (:func:`check_integrity_fields`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import os
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 CHECKSUM_FIELD = "weights_checksum"
+VERSION_FIELD = "format_version"
+FORMAT_VERSION = 1
+"""Saves of format 1 record ``weights_checksum``, and ``base_checksum`` and ``base_fingerprint`` for every module in
+``grafted_modules``. 0 (set by hand) marks a save of an older peft_graft that lacks some of them, loaded knowingly."""
+LEGACY_FORMAT = 0
 
 
 def file_checksum(path: str | os.PathLike) -> str:
@@ -30,6 +36,8 @@ def record_weights_checksum(folder: str | os.PathLike) -> None:
     if str(config.get("peft_type", "")).lower() != "graft":
         return
     config[CHECKSUM_FIELD] = file_checksum(weights)
+    if not missing_integrity_fields(config):  # a legacy graft saved again without them stays marked as legacy
+        config[VERSION_FIELD] = FORMAT_VERSION
     with open(config_path, "w", encoding="utf-8") as handle:
         json.dump(config, handle, indent=2, sort_keys=True)
 
@@ -51,4 +59,46 @@ def verify_weights_checksum(folder: str | os.PathLike) -> None:
         raise ValueError(
             f"{weights!r} does not match the checksum recorded in its {CONFIG_NAME}: the file is truncated or "
             "corrupt, or was altered after saving. Save or download the adapter again."
+        )
+
+
+def missing_integrity_fields(config: dict) -> list[str]:
+    """The integrity fields a graft's config (as saved) lacks: ``weights_checksum``, and ``base_checksum`` and
+    ``base_fingerprint`` of each grafted module (those two only while ``verify_base`` holds)."""
+    missing = [] if config.get(CHECKSUM_FIELD) else [CHECKSUM_FIELD]
+    if config.get("verify_base", True):
+        for field in ("base_checksum", "base_fingerprint"):
+            recorded = config.get(field)
+            recorded = recorded if isinstance(recorded, dict) else {}
+            lacking = sorted(set(config.get("grafted_modules") or {}) - set(recorded))
+            if lacking:
+                missing.append(f"{field} of {lacking[0]!r}" + (f" and {len(lacking) - 1} more" if lacking[1:] else ""))
+    return missing
+
+
+def check_integrity_fields(folder: str | os.PathLike, config: object | None = None) -> None:
+    """Refuse a saved graft whose config lacks an integrity field (:func:`missing_integrity_fields`) with a
+    ``ValueError`` naming the file: deleting one would switch its check off. A graft saved by an older peft_graft
+    without them loads when its ``format_version`` is set to 0, in the file or in the config passed to the loader
+    (``config``, a ``GraftConfig`` whose ``format_version`` and ``verify_base`` then count). A folder without a
+    readable graft config is left to the loader."""
+    path = os.path.join(folder, CONFIG_NAME)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            saved = json.load(handle)
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict) or str(saved.get("peft_type", "")).lower() != "graft":
+        return
+    if config is not None:
+        saved = {**saved, VERSION_FIELD: config.format_version, "verify_base": config.verify_base}
+    if saved.get(VERSION_FIELD) == LEGACY_FORMAT:
+        return
+    missing = missing_integrity_fields(saved)
+    if missing:
+        raise ValueError(
+            f"{path!r} lacks {', '.join(missing)}: a graft saved by peft_graft records them, so the file was altered "
+            "and its checks would be skipped. Save or download the adapter again. A graft saved by an older "
+            "peft_graft without them loads knowingly: config = GraftConfig.from_pretrained(path); "
+            "config.format_version = 0; PeftModel.from_pretrained(model, path, config=config)."
         )

@@ -9,6 +9,7 @@ import peft.peft_model
 import pytest
 import torch
 import yaml
+from filelock import FileLock, Timeout
 from huggingface_hub import HfApi
 from peft import PeftModel, get_peft_model
 from testing_utils import clone_model, finetune_like, input_ids, make_pair
@@ -28,6 +29,11 @@ def graft(tmp_path):
     pre.save_pretrained(tmp_path / "base")
     base = type(pre).from_pretrained(tmp_path / "base")  # records name_or_path for the card's base_model
     return pre, get_peft_model(base, GraftConfig(finetuned=finetuned, num_entries=123))
+
+
+def side_files(folder) -> list[str]:
+    """The hidden staging and backup folders beside a save of ``folder / "graft"`` (its lock file stays, as hf's)."""
+    return [p.name for p in folder.iterdir() if p.name.startswith(".graft.") and p.name != ".graft.lock"]
 
 
 def card_metadata(folder) -> dict:
@@ -125,7 +131,7 @@ def test_a_save_whose_move_fails_leaves_the_previous_adapter(graft, tmp_path, mo
         other.save_pretrained(target)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")] == []
+    assert side_files(tmp_path) == []
     assert torch.equal(logits(PeftModel.from_pretrained(clone_model(pre), target)), logits(model))
 
 
@@ -173,7 +179,7 @@ def test_save_killed_between_moves_is_undone_or_finished_by_the_next_load(graft,
     script = KILLED_SAVE.format(tests=str(Path(__file__).parent), target=str(target), moves=moves)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 9, done.stderr
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")]  # the killed save left folders
+    assert side_files(tmp_path)  # the killed save left folders
 
     other = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
     loaded = PeftModel.from_pretrained(clone_model(pre), target)
@@ -182,6 +188,88 @@ def test_save_killed_between_moves_is_undone_or_finished_by_the_next_load(graft,
     # Card, weights and config move in that order: before the config moved, the previous adapter is restored.
     expected = other if moves == 3 else model
     assert torch.equal(logits(loaded), logits(expected))
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".graft.")] == []
+    assert side_files(tmp_path) == []
     card = (target / "README.md").read_text()
     assert ("| default | 50 |" in card) == (moves == 3)  # the card is restored with the rest
+
+
+PAUSED_SAVE = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from peft import get_peft_model
+import peft_graft.tuner.persistence as persistence
+from testing_utils import clone_model, finetune_like, make_pair
+from peft_graft import GraftConfig
+
+pre, _, _ = make_pair("gpt2")
+model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetune_like(pre, seed=9), num_entries=50))
+real_replace = os.replace
+
+def replace_then_pause(source, target):
+    real_replace(source, target)
+    if target.endswith("adapter_model.safetensors"):  # between the weights' move and the config's
+        open({paused!r}, "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists({go!r}):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+persistence.os.replace = replace_then_pause
+model.save_pretrained({target!r})
+"""
+
+
+def test_saves_into_one_folder_from_two_processes_take_turns(graft, tmp_path, monkeypatch):
+    """A saver paused between moving its weights and its config: a second process's save of the folder waits for
+    it (the lock file beside the folder), so the folder ends with one whole graft, the last one saved."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    pre, model = graft
+    target, paused, go = tmp_path / "graft", tmp_path / "paused", tmp_path / "go"
+    script = PAUSED_SAVE.format(tests=str(Path(__file__).parent), target=str(target), paused=str(paused), go=str(go))
+    first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not paused.exists():
+            assert first.poll() is None, first.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        waiting, saved, errors = threading.Event(), threading.Event(), []
+
+        class NotedLock(FileLock):
+            def acquire(self, *args, **kwargs):
+                try:
+                    return super().acquire(timeout=0)
+                except Timeout:
+                    waiting.set()  # held by the paused process
+                    return super().acquire(*args, **kwargs)
+
+        monkeypatch.setattr(persistence, "FileLock", NotedLock, raising=False)
+
+        def save() -> None:
+            try:
+                model.save_pretrained(target)
+            except BaseException as error:  # reported below
+                errors.append(error)
+            finally:
+                saved.set()
+
+        second = threading.Thread(target=save, daemon=True)
+        second.start()
+        while not (waiting.wait(0.01) or saved.is_set()):
+            assert time.monotonic() < deadline
+        go.touch()
+        assert first.wait(120) == 0, first.communicate()[1]
+        second.join(120)
+        assert not second.is_alive() and not errors
+    finally:
+        go.touch()
+        first.kill() if first.poll() is None else None
+        first.communicate()
+    loaded = PeftModel.from_pretrained(clone_model(pre), target)  # the weights match the config's checksum
+    assert torch.equal(logits(loaded), logits(model))  # the second save, made after the first

@@ -113,6 +113,7 @@ def test_region_from_pretrained_refuses_bad_folders(tmp_path):
         Region.from_pretrained(tmp_path, pre)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     del config["weights_checksum"]  # as a file written by another tool: the indices are still checked
+    config["format_version"] = 0
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="outside"):
         Region.from_pretrained(tmp_path, pre)

@@ -322,3 +322,92 @@ def test_a_model_learning_its_region_is_refused():
     _, model = learning_graft("bert_cls", task_type="SEQ_CLS")
     with pytest.raises(ValueError, match="MaskTrainer trains the scores S"):
         restrict_training(model, frozen=Region({"classifier.weight": torch.tensor([0])}))
+
+
+def _loss(model, seed: int = 0) -> torch.Tensor:
+    ids = input_ids(batch=2, seed=seed)
+    return model(input_ids=ids, labels=ids[:, 0] % 3).loss
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_decay", "adam_coupled_decay"])
+def test_a_step_a_grad_scaler_skips_changes_nothing(optimizer):
+    """A ``torch.amp.GradScaler`` skips the optimizer step on inf/NaN gradients: the weight decay the restriction
+    applies by hand to a sparse allowed region is skipped with it."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre)
+    region = sparse_region(model, 0.05, seed=4)
+    before, optim = flat_state(model), OPTIMIZERS[optimizer](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with restrict_training(model, allowed=region) as restriction:
+        scaler.scale(_loss(model) * float("inf")).backward()
+        restriction.before_step(optim)
+        scaler.step(optim)
+        restriction.after_step()
+        scaler.update()
+    after = flat_state(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert not optim.state and len(optim.param_groups) == 1 and scaler.get_scale() == 2.0**7
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "how"),
+    [
+        ("adam_coupled_decay", "before_step, scaler.step, after_step"),
+        ("sgd_momentum_decay", "before_step, scaler.step, after_step"),
+        ("adamw_decay", "step(scaler=)"),
+    ],
+)
+def test_grad_scaler_steps_equal_unscaled_steps(optimizer, how):
+    """Weight decay applied by hand (coupled: added to the gradient) acts on the unscaled gradient, as the
+    optimizer's own would: a scaled run trains as an unscaled one."""
+    pre, _, _ = make_pair("bert_cls")
+    region = sparse_region(pre, 0.05, seed=4)
+    scaled, plain = clone_model(pre).train(), clone_model(pre).train()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    runs = [(scaled, OPTIMIZERS[optimizer](scaled.parameters())), (plain, OPTIMIZERS[optimizer](plain.parameters()))]
+    for model, optim in runs:
+        torch.manual_seed(0)  # the same dropout in both runs
+        with restrict_training(model, allowed=region) as restriction:
+            for step in range(3):
+                if model is plain:
+                    _loss(model, step).backward()
+                    restriction.step(optim)
+                else:
+                    scaler.scale(_loss(model, step)).backward()
+                    if how == "step(scaler=)":
+                        restriction.step(optim, scaler=scaler)
+                    else:
+                        restriction.before_step(optim)
+                        scaler.step(optim)
+                        restriction.after_step()
+                    scaler.update()
+                optim.zero_grad()
+    before, after, reference = flat_state(pre), flat_state(scaled), flat_state(plain)
+    for name in before:
+        assert bool(torch.isin(changed_entries(before, after, name), region[name]).all()), name
+        torch.testing.assert_close(after[name], reference[name], rtol=1e-6, atol=1e-7)
+
+
+def test_lbfgs_steps_with_its_closure_under_the_restriction():
+    """``step(optimizer, closure)``: LBFGS evaluates the closure several times per step; every gradient is masked."""
+    pre, _, _ = make_pair("bert_cls")
+    model = clone_model(pre).eval()
+    region = sparse_region(model, 0.05, seed=4)
+    before = flat_state(model)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    calls = []
+
+    def closure():
+        calls.append(None)
+        optimizer.zero_grad()
+        loss = _loss(model)
+        loss.backward()
+        return loss
+
+    with restrict_training(model, allowed=region) as restriction:
+        first = restriction.step(optimizer, closure)
+    after = flat_state(model)
+    assert len(calls) > 1 and torch.is_tensor(first)
+    assert any(len(changed_entries(before, after, n)) for n in before)
+    for name in before:
+        assert bool(torch.isin(changed_entries(before, after, name), region[name]).all()), name

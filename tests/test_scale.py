@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -214,3 +215,15 @@ def test_set_scale_refused_for_unknown_merged_or_learning_adapter():
     learning.base_model.harden_region()
     learning.set_scale(0.5)
     assert learning.get_scale() == 0.5
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1e39), (torch.float32, -1e39), (torch.float16, 1e8)])
+def test_finite_scales_that_overflow_the_base_dtype_are_refused(dtype, scale):
+    """A finite scale times a delta can exceed the base dtype's range: inf/NaN outputs, refused instead."""
+    pre, finetuned, task_type = make_pair("roberta_mlm")
+    base = clone_model(pre).to(dtype)
+    model = get_peft_model(base, GraftConfig(finetuned=finetuned.to(dtype), sparsity=0.05, task_type=task_type))
+    before = logits(model)
+    with pytest.raises(ValueError, match=re.escape(f"scale={scale!r} makes adapter 'default'") + f".*overflow {dtype}"):
+        model.set_scale(scale)
+    assert model.get_scale() == 1.0 and torch.equal(logits(model), before)

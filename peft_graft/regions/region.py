@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .._checksum import CONFIG_NAME, WEIGHTS_NAME, verify_weights_checksum
+from .._checksum import CONFIG_NAME, WEIGHTS_NAME, check_integrity_fields, verify_weights_checksum
 from ..parameter_layout import PEFT_PREFIX, Layout, build_layout
 
 
@@ -152,6 +152,7 @@ def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
     grafted_modules = config.get("grafted_modules") if isinstance(config, dict) else None
     if not isinstance(grafted_modules, dict):
         raise ValueError(f"{config_file} records no grafted_modules: it is not a graft adapter config.")
+    check_integrity_fields(path)
     verify_weights_checksum(path)
     weights = load_file(weights_file)
     region = {}

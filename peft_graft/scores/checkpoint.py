@@ -46,6 +46,13 @@ def safetensors_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, st
             raise ValueError(message) from error
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names.")
+        outside = sorted({shard for shard in weight_map.values() if Path(shard).name != shard or shard in (".", "..")})
+        if outside:
+            raise ValueError(
+                f"{index}: 'weight_map' names shard {outside[0]!r}, which is not a file of the checkpoint's folder "
+                "(shards are plain file names beside the index). The index was altered: save the fine-tuned model "
+                "again."
+            )
         files = sorted({path / shard for shard in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

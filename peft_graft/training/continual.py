@@ -433,6 +433,7 @@ class ContinualGrafter:
             "tasks": json.dumps(self.task_names),
             "base_fingerprint": self.base_fingerprint,
         }
+        metadata["checksum"] = _state_checksum(tensors, metadata)
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, STATE_NAME)
         partial = f"{path}.partial-{os.getpid()}"
@@ -444,9 +445,13 @@ class ContinualGrafter:
                 os.remove(partial)
 
     @classmethod
-    def from_pretrained(cls, save_directory: str | os.PathLike, model: nn.Module) -> ContinualGrafter:
+    def from_pretrained(
+        cls, save_directory: str | os.PathLike, model: nn.Module, require_checksum: bool = True
+    ) -> ContinualGrafter:
         """Resume a saved learner on ``model``, the pre-trained model it was created with (loaded afresh): the trained
-        values and the last task's head are written into it. Another pre-trained model is a ``ValueError``."""
+        values and the last task's head are written into it. Another pre-trained model is a ``ValueError``, and so is
+        a file whose tensors or metadata differ from the checksum it records (a flipped bit, an edit).
+        ``require_checksum=False`` loads a state saved by an older peft_graft, which recorded none."""
         path = os.path.join(save_directory, STATE_NAME)
         if not os.path.isfile(path):
             raise ValueError(f"{os.fspath(save_directory)!r} holds no {STATE_NAME}: not a saved ContinualGrafter.")
@@ -458,6 +463,16 @@ class ContinualGrafter:
             raise ValueError(f"{path!r} is not a readable safetensors file ({error}).") from error
         if metadata.get("format") != FORMAT:
             raise ValueError(f"{path!r} is not a {FORMAT} state (format {metadata.get('format')!r}).")
+        recorded = metadata.get("checksum")
+        if recorded is None and require_checksum:
+            raise ValueError(
+                f"{path!r} records no checksum: it was altered, or saved by an older peft_graft (load that knowingly "
+                "with ContinualGrafter.from_pretrained(path, model, require_checksum=False))."
+            )
+        if recorded is not None and recorded != _state_checksum(tensors, metadata):
+            raise ValueError(
+                f"{path!r} does not match the checksum it records: the file is corrupt or was altered after saving."
+            )
         heads, names = json.loads(metadata["heads"]), json.loads(metadata["tasks"])
         learner = cls(model, heads)
         pretrained_head = _group(tensors, "pretrained_head/")
@@ -484,6 +499,20 @@ class ContinualGrafter:
         if learner.tasks:
             learner._load_head(learner.tasks[-1].head, f"{path!r}")
         return learner
+
+
+def _state_checksum(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
+    """``"sha256:<hex>"`` of a saved state: every tensor (name, dtype, shape, bytes) and the metadata but the
+    checksum itself."""
+    digest = hashlib.sha256()
+    for key in sorted(metadata):
+        if key != "checksum":
+            digest.update(json.dumps([key, metadata[key]]).encode())
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(_bytes(tensor).tobytes())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _group(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -18,8 +18,10 @@ enough (AdamW's decoupled weight decay and earlier momentum move entries with a 
   ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (not ``maximize``) it is not needed: an entry whose gradient and optimizer
   state have always been zero gets an update of exactly zero, so only weight decay could move it. For the step, such
   tensors move to a parameter group of their own without weight decay, and the decay is applied to their allowed
-  entries by hand, as the optimizer would. Any other optimizer, or optimizer state that is not zero outside the
-  allowed entries (the optimizer stepped before the restriction began), takes the copy above.
+  entries by hand, as the optimizer would, when its step begins (a step pre-hook: after a ``torch.amp.GradScaler``
+  unscaled the gradients, and not at all on a step the scaler skips for inf/NaN gradients). Any other optimizer, or
+  optimizer state that is not zero outside the allowed entries (the optimizer stepped before the restriction began),
+  takes the copy above.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class TrainingRestriction:
         self._regrouped: torch.optim.Optimizer | None = None  # set by _decay_by_hand until after_step undoes it
         self._groups_before: list[tuple[dict, list]] = []
         self._grads_before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._decays: list[tuple[nn.Parameter, torch.Tensor, dict, bool]] = []  # (param, indices, group, decoupled)
+        self._decay_hook = None
         for key, param in params.items():
             if not param.requires_grad:
                 continue
@@ -158,32 +162,39 @@ class TrainingRestriction:
                 entry.saved = flat[entry.indices].clone()
 
     def _decay_by_hand(self, optimizer: torch.optim.Optimizer, sparse: list[_Restricted]) -> None:
-        """Move the ``sparse`` tensors to groups without weight decay for this step, decaying their allowed entries
-        here as the optimizer would (decoupled: ``p *= 1 - lr * wd``; coupled: ``grad += wd * p``)."""
+        """Move the ``sparse`` tensors to groups without weight decay for this step, and decay their allowed entries as
+        the optimizer would (decoupled: ``p *= 1 - lr * wd``; coupled: ``grad += wd * p``) when its step begins."""
         by_param = {id(e.param): e for e in sparse}
         self._groups_before = [(group, group["params"]) for group in optimizer.param_groups]
-        self._grads_before = []
+        self._grads_before, self._decays = [], []
         extra = []
         for group in optimizer.param_groups:
             mine = [p for p in group["params"] if id(p) in by_param]
             if not mine or not group.get("weight_decay"):
                 continue
-            decay, lr = group["weight_decay"], group["lr"]
             decoupled = isinstance(optimizer, torch.optim.Adam) and group.get("decoupled_weight_decay", False)
-            with torch.no_grad():
-                for param in mine:
-                    idx = by_param[id(param)].indices.to(param.device)
-                    if decoupled:
-                        flat = param.view(-1)
-                        flat[idx] = flat[idx].mul_(1 - lr * decay)
-                    else:
-                        grad = param.grad.view(-1)
-                        self._grads_before.append((grad, idx, grad[idx].clone()))
-                        grad[idx] = grad[idx].add_(param.view(-1)[idx], alpha=decay)
+            for param in mine:
+                self._decays.append((param, by_param[id(param)].indices.to(param.device), group, decoupled))
             group["params"] = [p for p in group["params"] if id(p) not in by_param]
             extra.append({**group, "params": mine, "weight_decay": 0.0})
         optimizer.param_groups.extend(extra)
         self._regrouped = optimizer
+        if self._decays:
+            self._decay_hook = optimizer.register_step_pre_hook(self._decay)
+
+    def _decay(self, *_) -> None:
+        """The step pre-hook of :meth:`_decay_by_hand`: runs only when the optimizer steps, on unscaled gradients."""
+        with torch.no_grad():
+            for param, idx, group, decoupled in self._decays:
+                decay, lr = group["weight_decay"], group["lr"]
+                if decoupled:
+                    flat = param.view(-1)
+                    flat[idx] = flat[idx].mul_(1 - lr * decay)
+                else:
+                    grad = param.grad.view(-1)
+                    self._grads_before.append((grad, idx, grad[idx].clone()))
+                    grad[idx] = grad[idx].add_(param.view(-1)[idx], alpha=decay)
+        self._decays = []
 
     def after_step(self) -> None:
         """Right after ``optimizer.step()``: write the copied values back, bit for bit."""
@@ -193,7 +204,10 @@ class TrainingRestriction:
                 group["params"] = params
             for grad, idx, values in self._grads_before:
                 grad[idx] = values
-            self._regrouped, self._groups_before, self._grads_before = None, [], []
+            if self._decay_hook is not None:
+                self._decay_hook.remove()
+            self._regrouped, self._groups_before, self._grads_before, self._decays = None, [], [], []
+            self._decay_hook = None
         with torch.no_grad():
             for entry in self.restricted:
                 if entry.saved is None:
@@ -207,11 +221,35 @@ class TrainingRestriction:
                     flat[entry.indices] = entry.saved
                 entry.saved = None
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()`` under the restriction (for a custom loop)."""
+    def step(self, optimizer: torch.optim.Optimizer, closure=None, scaler: torch.amp.GradScaler | None = None):
+        """``optimizer.step(closure)`` under the restriction (for a custom loop); returns what the step returns.
+
+        ``closure``: as ``torch.optim``'s (``LBFGS`` needs one): it recomputes the loss and its gradients, which the
+        restriction masks as it does any gradient. ``scaler``: the ``torch.amp.GradScaler`` of a mixed precision loop,
+        whose ``scaler.step(optimizer)`` is taken instead (a step it skips for inf/NaN gradients changes nothing; call
+        ``scaler.update()`` after, as usual). Calling :meth:`before_step`, ``scaler.step(optimizer)`` and
+        :meth:`after_step` does the same."""
         self.before_step(optimizer)
-        optimizer.step()
-        self.after_step()
+        try:
+            if closure is not None:
+                closure = self._masked_closure(closure)
+            if scaler is not None:
+                return scaler.step(optimizer) if closure is None else scaler.step(optimizer, closure)
+            return optimizer.step() if closure is None else optimizer.step(closure)
+        finally:
+            self.after_step()
+
+    def _masked_closure(self, closure):
+        """``closure``, after which the tensors frozen whole have no gradient again (the optimizer skips them)."""
+
+        def masked():
+            loss = closure()
+            for entry in self.restricted:
+                if entry.indices is None:
+                    entry.param.grad = None
+            return loss
+
+        return masked
 
     def remove(self) -> None:
         """Detach the gradient hooks; the model trains unrestricted again. A step left half done (``optimizer.step()``

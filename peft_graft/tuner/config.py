@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import InitVar, dataclass, field
 from typing import Any
@@ -64,6 +65,10 @@ class GraftConfig(PeftConfig):
             no fp32 delta reproduces it (see ``GraftLayer``).
         weights_checksum: Filled in when saving: the sha256 of ``adapter_model.safetensors``, checked when a local
             graft is loaded.
+        format_version: Filled in when saving: 1 for a save that records every integrity field (``weights_checksum``,
+            ``base_checksum``, ``base_fingerprint``); loading one that lacks any is refused. Set it to 0 to load a
+            graft saved by an older peft_graft without them (``GraftConfig.from_pretrained(path)``, then
+            ``PeftModel.from_pretrained(model, path, config=config)``).
     """
 
     # Not fields: a graft chooses its modules itself; peft's injection code reads these attributes.
@@ -134,6 +139,10 @@ class GraftConfig(PeftConfig):
     weights_checksum: str | None = field(
         default=None, metadata={"help": "Set when saving: sha256 of the adapter's weights file, verified on load."}
     )
+    format_version: int | None = field(
+        default=None,
+        metadata={"help": "Set when saving: 1 = every integrity field recorded; 0 = an older save, loaded knowingly."},
+    )
 
     def __post_init__(self, finetuned: Any, given_region: Any, region_scores: Any) -> None:
         super().__post_init__()
@@ -154,6 +163,9 @@ class GraftConfig(PeftConfig):
                 _check_fraction("sparsity", self.sparsity, "e.g. 1e-4 grafts 0.01%")
         if self.num_entries is not None:
             _check_count("num_entries", self.num_entries)
+        version = self.format_version
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"format_version must be an int >= 0 (or absent), got {version!r}.")
         for name in ("only_moved", "learn_region", "verify_base"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
@@ -228,6 +240,18 @@ class GraftConfig(PeftConfig):
             if num_exact > grafted.get(module, 0):
                 refuse("exact_entries", f"records {num_exact} exact entries for {module!r}, which has "
                        f"{grafted.get(module, 0)} grafted entries")  # fmt: skip
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder: str | None = None, **kwargs) -> GraftConfig:
+        """peft's ``from_pretrained``; the config remembers the file it was read from, for error messages."""
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        config._source = os.path.join(os.fspath(pretrained_model_name_or_path), subfolder or "", "adapter_config.json")
+        return config
+
+    @property
+    def source(self) -> str:
+        """The file this config was read from, or a description of it."""
+        return repr(getattr(self, "_source", None) or "the adapter config")
 
     @property
     def is_created(self) -> bool:

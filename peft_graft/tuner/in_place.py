@@ -16,6 +16,13 @@ While the base tensors hold grafted entries, they are shared state: every graft 
 write hold :data:`WRITE_LOCK`, so threads run them one at a time; and a forward nested inside a written one (a hook
 or a logits processor calling the model, perhaps with its adapters disabled) first writes theta_pre back
 (:func:`suspended_writes`), so it sees exactly the state it asks for.
+
+A model's forward (or generation) holds :data:`WRITE_LOCK` from start to end (:func:`model_forward`), and so does every
+change of its state (adapters switched, added, loaded or deleted, merged, unmerged, unloaded, scaled, enabled or
+disabled): a thread changing the state waits for the forwards running in other threads, and a forward sees one state
+throughout. In its own thread, a hook may change the state only around a nested forward and must switch back before
+the outer forward goes on (a forward that ends in another state than it began in is refused, :func:`model_forward`);
+structural changes are refused there (:func:`state_change`).
 """
 
 from __future__ import annotations
@@ -120,8 +127,59 @@ def restore(saved: list[Saved]) -> None:
 
 
 WRITE_LOCK = threading.RLock()
-"""Held by every graft layer's forward and around every model-level write (re-entrant: a nested forward in the same
-thread takes it again)."""
+"""Held by every graft layer's forward, every model's forward and generation, around every model-level write and
+every change of a model's state (re-entrant: a nested forward in the same thread takes it again)."""
+
+
+class _Forwards:
+    """The graft forwards under way. Only a thread holding :data:`WRITE_LOCK` runs one, and it holds the lock until
+    its forward ends: a thread that holds the lock and finds ``depth > 0`` is inside a forward itself."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0  # forwards of graft models and graft layers under way, changed only under WRITE_LOCK
+
+
+FORWARDS = _Forwards()
+
+
+@contextmanager
+def model_forward(model: Any) -> Iterator[None]:
+    """Hold :data:`WRITE_LOCK` for a whole forward (or generation) of ``model`` (a graft model, with a
+    ``forward_state()`` method), and refuse its output when its state changed in between (a hook switched adapters or
+    the scale and did not switch back): the forward would have run partly in one state and partly in another."""
+    with WRITE_LOCK:
+        state = model.forward_state()
+        FORWARDS.depth += 1
+        try:
+            yield
+        finally:
+            FORWARDS.depth -= 1
+        current = model.forward_state()
+        if current is not state and current != state:
+            raise ValueError(
+                "The graft model's state (active adapters, scale, adapters enabled or disabled) changed during its "
+                "forward, from a hook or a logits processor: the forward ran partly in one state and partly in "
+                "another, mixing two adapters. A hook may change the state only around a nested forward and must "
+                "restore it before returning (`with model.disable_adapter(): ...`, or set_adapter back in a finally)."
+            )
+
+
+@contextmanager
+def state_change(what: str, structural: bool = True) -> Iterator[None]:
+    """Hold :data:`WRITE_LOCK` for a change of a model's state, so that no forward of another thread sees part of it.
+    A ``structural`` change (merging, adding, loading, deleting, unloading: one that reads or rewrites the base
+    tensors or the adapters' tensors) is refused inside a forward of this thread (from a hook), where the base tensors
+    hold grafted entries; switching adapters, the scale or enabling is allowed there around a nested forward."""
+    with WRITE_LOCK:
+        if structural and FORWARDS.depth:
+            raise ValueError(
+                f"{what} cannot run inside a forward of a graft model (from a forward hook, a logits processor or a "
+                "nested call): the base tensors hold the grafted entries then, and the forward would mix two states. "
+                "Call it before or after the forward."
+            )
+        yield
 
 
 @dataclass

@@ -16,7 +16,14 @@ from torch.nn import functional as F
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from .autograd import RecomputeSoftParameters
 from .entries import SparseEntries, check_entries, entries_of, graft_entries
-from .in_place import WRITE_LOCK, InPlacePlan, InPlaceWrite, suspended_writes, tensor_dict
+from .in_place import (
+    FORWARDS,
+    WRITE_LOCK,
+    InPlacePlan,
+    InPlaceWrite,
+    suspended_writes,
+    tensor_dict,
+)
 from .learning import RegionLearner
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
@@ -169,6 +176,24 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         else:
             self.scaling[adapter_name] = scale
 
+    def check_scale_fits(self, adapter_name: str, scale: float) -> None:
+        """Refuse a ``scale`` at which the grafted values of ``adapter_name`` overflow the base tensors' dtype (a
+        finite scale times a delta can exceed even fp32's range): the outputs would be inf or NaN."""
+        if adapter_name not in self.graft_values or self.is_learning(adapter_name):
+            return
+        for attr in self.stored_attrs:
+            entries = self._sparse_entries(adapter_name, attr)
+            if entries is None or not entries[0].numel():
+                continue
+            tensor = getattr(self.base_layer, attr)
+            with torch.no_grad():
+                grafted = graft_entries(tensor.detach().reshape(-1)[entries[0]], entries, True, scale)
+            if not bool(torch.isfinite(grafted).all()):
+                raise ValueError(
+                    f"scale={scale!r} makes adapter {adapter_name!r}'s grafted values of tensor {attr!r} of "
+                    f"{type(self.base_layer).__name__} overflow {tensor.dtype} (inf or NaN): use a smaller scale."
+                )
+
     def get_scale(self, adapter_name: str) -> float:
         """The run-time scale of ``adapter_name`` (1.0 unless :meth:`set_scale` changed it)."""
         return self.scaling.get(adapter_name, 1.0)
@@ -307,8 +332,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Refuse to apply a graft whose entries were never loaded, or one made for other pre-trained values (see
         ``GraftConfig.verify_base``)."""
         self.check_filled(adapter_name)
-        expected = self.fingerprints.get(adapter_name)
-        if not expected or not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
+        expected = self.fingerprints.get(adapter_name) or []  # a config without it still has its checksum checked
+        if not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
             return
         indices = self.graft_indices[adapter_name][: len(expected)]
         found = self.base_values(indices)
@@ -391,12 +416,24 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with WRITE_LOCK:  # while a forward writes entries into the base tensors, no other thread runs a graft layer
-            if self.written_plan is None:
-                return self._forward(*args, **kwargs)
-            if self.in_place_plan() is self.written_plan:  # in_place.written_in_place wrote this layer's entries
-                return self.base_layer(*args, **kwargs)
-            with suspended_writes():  # asked for another state inside the model's forward (adapters disabled, ...)
-                return self._forward(*args, **kwargs)
+            FORWARDS.depth += 1
+            try:
+                if self.written_plan is None:
+                    return self._forward(*args, **kwargs)
+                if self._written_plan_holds():  # in_place.written_in_place wrote this layer's entries
+                    return self.base_layer(*args, **kwargs)
+                with suspended_writes():  # asked for another state inside the model's forward (a nested forward)
+                    return self._forward(*args, **kwargs)
+            finally:
+                FORWARDS.depth -= 1
+
+    def _written_plan_holds(self) -> bool:
+        """Whether :meth:`in_place_plan` would return ``written_plan``, without building a plan when not (which checks
+        the base, whose tensors hold grafted entries here)."""
+        plan = self.written_plan
+        if not GRAFT_IN_PLACE_INFERENCE or torch.is_grad_enabled() or self._disable_adapters or self.merged_adapters:
+            return False
+        return self._in_place_plans.get(tuple(self.active_adapters)) is plan and plan.is_current()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.in_place_plan()

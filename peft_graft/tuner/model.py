@@ -18,12 +18,31 @@ from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout
 from ..regions import Region
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
-from .in_place import written_in_place
+from .in_place import model_forward, state_change, suspended_writes, written_in_place
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .planning import plan_loaded_graft, plan_new_graft
 
 COMBINATION_RULES = ("average", "sum", "first", "last")
+
+
+def changes_state(structural: bool = True) -> Callable:
+    """Decorate a ``GraftModel`` method that changes the model's state: it runs under the lock every forward holds,
+    so threads serving the model never see part of it; a ``structural`` one is refused inside a forward
+    (:func:`~peft_graft.tuner.in_place.state_change`)."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def locked(self, *args, **kwargs):
+            with state_change(f"{method.__name__}()", structural):
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    self._state_version = getattr(self, "_state_version", 0) + 1
+
+        return locked
+
+    return decorate
 
 
 class GraftModel(BaseTuner):
@@ -39,6 +58,7 @@ class GraftModel(BaseTuner):
     target_module_mapping: dict = {}
 
     # ------------------------------------------------------------------------------------------ injection
+    @changes_state()
     def inject_adapter(
         self,
         model: nn.Module,
@@ -63,6 +83,8 @@ class GraftModel(BaseTuner):
             )
         layout = build_layout(model)
         self._plan = plan_loaded_graft(config, layout) if config.is_created else plan_new_graft(model, config, layout)
+        if config.is_created:
+            _check_saved_whole(config, adapter_name, self._plan.targets)
         # The config fully determines the targets; peft's key-based injection from a state dict would miss tied users.
         super().inject_adapter(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict=None)
         if not config.is_created:
@@ -138,7 +160,7 @@ class GraftModel(BaseTuner):
     def forward(self, *args, **kwargs):
         """The model's forward; without autograd, with the grafts' entries written in place once for the whole forward
         (:func:`~peft_graft.tuner.in_place.written_in_place`) rather than around each layer's."""
-        with written_in_place(self._graft_layers_for_inference()):
+        with model_forward(self), written_in_place(self._graft_layers_for_inference()):
             return self.model.forward(*args, **kwargs)
 
     @property
@@ -149,7 +171,7 @@ class GraftModel(BaseTuner):
 
         @functools.wraps(generate)
         def generate_with_grafts_written(*args, **kwargs):
-            with torch.no_grad(), written_in_place(self._graft_layers_for_inference()):
+            with torch.no_grad(), model_forward(self), written_in_place(self._graft_layers_for_inference()):
                 return generate(*args, **kwargs)
 
         return generate_with_grafts_written
@@ -158,7 +180,22 @@ class GraftModel(BaseTuner):
         """The graft layers, when a forward runs without autograd (finding them costs nothing otherwise)."""
         return [] if torch.is_grad_enabled() else self._adapter_modules()[0]
 
+    def forward_state(self) -> tuple:
+        """What a forward's output depends on besides the tensors: each graft layer's and head's active adapters,
+        whether adapters are disabled, the scales. Found again only after a change of state (``changes_state``)."""
+        version = getattr(self, "_state_version", 0)
+        cached = getattr(self, "_forward_state_cache", None)
+        if cached is None or cached[0] != version:
+            layers, wrappers = self._adapter_modules()
+            state = tuple(
+                (tuple(layer.active_adapters), layer.disable_adapters, tuple(sorted(layer.scaling.items())))
+                for layer in layers
+            ) + tuple((tuple(wrapper.active_adapters), wrapper.disable_adapters) for wrapper in wrappers)
+            cached = self._forward_state_cache = (version, state)
+        return cached[1]
+
     # ------------------------------------------------------------------------------------------ adapters
+    @changes_state(structural=False)
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Activate adapter(s), as peft's ``set_adapter`` does, without walking every module of the model each time.
 
@@ -176,6 +213,7 @@ class GraftModel(BaseTuner):
             layer.set_adapter(adapter_name, inference_mode=inference_mode)
         self.active_adapter = adapter_name
 
+    @changes_state()
     def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
         """peft's ``merge_adapter``, all or nothing: every layer is checked before any is merged, and a failure part
         way leaves every layer as it was."""
@@ -192,6 +230,22 @@ class GraftModel(BaseTuner):
                         layer.merge(adapter_names=before[id(layer)])
             raise
 
+    @changes_state()
+    def unmerge_adapter(self) -> None:
+        """peft's ``unmerge_adapter``, under the lock forwards hold."""
+        super().unmerge_adapter()
+
+    @changes_state(structural=False)
+    def enable_adapter_layers(self) -> None:
+        """peft's ``enable_adapter_layers``, under the lock forwards hold."""
+        super().enable_adapter_layers()
+
+    @changes_state(structural=False)
+    def disable_adapter_layers(self) -> None:
+        """peft's ``disable_adapter_layers``, under the lock forwards hold."""
+        super().disable_adapter_layers()
+
+    @changes_state()
     def _unload_and_optionally_merge(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
         if merge:  # check every layer first: peft merges and unwraps module by module
             self._check_merge(adapter_names, safe_merge)
@@ -203,6 +257,7 @@ class GraftModel(BaseTuner):
         for layer in self._adapter_modules()[0]:
             layer.check_merge(names, safe_merge)
 
+    @changes_state()
     def delete_adapter(self, adapter_name: str) -> None:
         """peft's ``delete_adapter``; the last adapter cannot be deleted (a graft model without one has no forward)."""
         if adapter_name in self.peft_config and len(self.peft_config) == 1:
@@ -223,6 +278,7 @@ class GraftModel(BaseTuner):
         return cached[1], cached[2]
 
     # ------------------------------------------------------------------------------------------ scale
+    @changes_state(structural=False)
     def set_scale(self, scale: float, adapter_name: str | None = None) -> None:
         """Apply an adapter (default: the active one(s)) at run-time ``scale``: ``theta_pre + scale * delta`` on its
         region, as LoRA's ``set_scale``. Also reached as ``peft_model.set_scale(...)``.
@@ -240,6 +296,10 @@ class GraftModel(BaseTuner):
             for layer in layers:
                 if name in layer.merged_adapters or layer.is_learning(name):
                     layer.set_scale(name, scale)  # raises the error that says why
+        with suspended_writes():  # theta_pre in the base tensors, also when called around a nested forward
+            for name in names:
+                for layer in layers:
+                    layer.check_scale_fits(name, scale)
         for name in names:
             for layer in layers:
                 layer.set_scale(name, scale)
@@ -295,6 +355,7 @@ class GraftModel(BaseTuner):
                 region[layout.by_site[(module, attr)].name] = local
         return Region(region)
 
+    @changes_state()
     def harden_region(
         self,
         adapter_name: str | None = None,
@@ -335,6 +396,7 @@ class GraftModel(BaseTuner):
         self.peft_config[adapter_name].learn_region = False
         return total
 
+    @changes_state()
     def add_combined_adapter(
         self,
         adapter_names: list[str],
@@ -517,6 +579,18 @@ def check_loaded_graft(model: nn.Module, adapter_name: str) -> None:
         return tensors[adapter_name] if adapter_name in tensors else None  # noqa: SIM401 (BufferDict has no get)
 
     check_graft_tensors(config, layers, tensor)
+
+
+def _check_saved_whole(config: GraftConfig, adapter_name: str, targets) -> None:
+    """A loaded graft's ``modules_to_save`` may not name a module it grafts (peft would fail wrapping a graft layer)."""
+    for name in config.modules_to_save or []:
+        clash = sorted(key for key in targets if key == name or key.endswith(f".{name}"))
+        if clash:
+            raise ValueError(
+                f"{config.source} (adapter {adapter_name!r}) lists modules_to_save={config.modules_to_save}, but the "
+                f"graft grafts module {clash[0]!r} (its entries, or a tensor tied to them): a module is stored whole "
+                "or grafted, not both. The config was altered: save or download the adapter again."
+            )
 
 
 def check_adapter_name(name: object) -> None:

@@ -7,11 +7,13 @@ the original path. ``PeftConfig.from_json_file`` and ``PeftConfig._get_peft_type
 too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``ValueError`` naming the file, not a raw
 ``KeyError`` or ``JSONDecodeError``.
 
-- ``save_pretrained`` saves into a staging folder beside the destination, then moves each file into place with
-  ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held off during the moves
-  and hard links to the replaced files kept until all are in place. A save killed part way (even by SIGKILL) is
-  finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which also removes
-  the staging folders of dead processes: the folder holds the previous adapter or the new one, never a mix.
+- ``save_pretrained`` holds an advisory lock file beside the destination (:func:`folder_lock`), so that saves of one
+  folder from several processes take turns. It saves into a staging folder beside the destination, then moves each
+  file into place with ``os.replace`` (atomic on one filesystem), the adapter configs last, with SIGINT/SIGTERM held
+  off during the moves and hard links to the replaced files kept until all are in place. A save killed part way (even
+  by SIGKILL) is finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which
+  also removes the staging folders of dead processes: the folder holds the previous adapter or the new one, never a
+  mix.
 - The config of a saved graft records the sha256 of its weights file (``weights_checksum``); loading a local graft
   whose file does not match it is a ``ValueError``.
 - A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
@@ -32,16 +34,25 @@ import os
 import shutil
 import signal
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
+import safetensors
 import safetensors.torch
+from filelock import FileLock
 from huggingface_hub import HfApi, ModelCard
 from peft import PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
 
-from .._checksum import CONFIG_NAME, WEIGHTS_NAME, record_weights_checksum, verify_weights_checksum
+from .._checksum import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_integrity_fields,
+    record_weights_checksum,
+    verify_weights_checksum,
+)
 from .config import GRAFT_NAME, GRAFT_PREFIX
+from .in_place import state_change
 from .layer import GraftLayer
 from .model import check_graft_state_dict, check_loaded_graft
 
@@ -51,43 +62,61 @@ CARD_TAGS = ("graft", "skill-localization")
 CARD_SECTION = "## Graft"
 
 
-def _is_graft(model: PeftModel) -> bool:
+def is_graft_model(model: PeftModel) -> bool:
+    """Whether ``model`` (a ``PeftModel``) holds a graft adapter."""
     return any(str(c.peft_type).lower().endswith(GRAFT_NAME) for c in model.peft_config.values())
 
 
 def wrap_save(original):
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
-        if not _is_graft(self) or not kwargs.get("is_main_process", True):
+        if not is_graft_model(self) or not kwargs.get("is_main_process", True):
             return original(self, save_directory, *args, **kwargs)
+        if not kwargs.get("safe_serialization", args[0] if args else True):
+            raise ValueError(
+                "save_pretrained(safe_serialization=False) would write the graft as adapter_model.bin (a pickle), "
+                "which peft_graft never loads: graft weights are saved as safetensors only. Drop the argument."
+            )
         save_directory = os.path.abspath(os.fspath(save_directory))
         parent = os.path.dirname(save_directory)
         os.makedirs(parent, exist_ok=True)
-        recover_interrupted_save(save_directory)
-        staging = tempfile.mkdtemp(prefix=_side_prefix(save_directory, STAGING), dir=parent)
-        try:
-            existing_card = os.path.join(save_directory, "README.md")
-            if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
-                shutil.copy2(existing_card, staging)
-            original(self, staging, *args, **kwargs)
-            for root, _, names in os.walk(staging):
-                if CONFIG_NAME in names:
-                    record_weights_checksum(root)
-            write_graft_card_section(self, staging)
-            _move_into_place(staging, save_directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with folder_lock(save_directory):  # one save of a folder at a time, across threads and processes
+            recover_interrupted_save(save_directory)
+            staging = tempfile.mkdtemp(prefix=_side_prefix(save_directory, STAGING), dir=parent)
+            try:
+                existing_card = os.path.join(save_directory, "README.md")
+                if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
+                    shutil.copy2(existing_card, staging)
+                original(self, staging, *args, **kwargs)
+                for root, _, names in os.walk(staging):
+                    if CONFIG_NAME in names:
+                        record_weights_checksum(root)
+                write_graft_card_section(self, staging)
+                _move_into_place(staging, save_directory)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
 
     return save_pretrained
 
 
-def _check_local_folder(model_id, subfolder: str | None) -> None:
-    """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, verify the
-    weights checksum."""
+def folder_lock(destination: str) -> FileLock:
+    """The advisory lock of a save folder: the file ``.<name>.lock`` beside it (as ``huggingface_hub`` locks its
+    downloads). Saves hold it from start to end, so that two processes (or threads) saving into one folder take turns
+    rather than leaving one graft's weights beside the other's config. The system drops it when its holder dies."""
+    parent, name = os.path.split(os.path.abspath(os.fspath(destination)))
+    return FileLock(os.path.join(parent, f".{name}.lock"))
+
+
+def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
+    """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, graft tensors
+    under another method's ``peft_type`` and missing integrity fields, verify the weights checksum. ``config``: the
+    graft config the loader was given, if any."""
     if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
         recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
         folder = os.path.join(os.fspath(model_id), subfolder or "")
         _refuse_pickled_graft(folder)
+        _refuse_graft_tensors_of_another_method(folder)
+        check_integrity_fields(folder, config if is_graft_config(config) else None)
         verify_weights_checksum(folder)
 
 
@@ -106,7 +135,12 @@ def _corrupt_file_error(model_id, error: SafetensorError) -> ValueError:
 def wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
-        _check_local_folder(model_id, kwargs.get("subfolder"))
+        # A graft model's forwards in other threads wait for the load; one from a hook is refused.
+        with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
+            _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
+            return _load_checked(self, model_id, adapter_name, *args, **kwargs)
+
+    def _load_checked(self, model_id, adapter_name, *args, **kwargs):
         is_new = adapter_name not in self.peft_config
         try:
             return original(self, model_id, adapter_name, *args, **kwargs)
@@ -209,6 +243,37 @@ def _remove_loaded_graft(model, adapter_name: str, previously_active: list[str])
         model._hf_peft_config_loaded = False
 
 
+GRAFT_ONLY_FIELDS = ("grafted_modules", "base_checksum", "base_fingerprint", "exact_entries", "format_version")
+"""Fields only a graft's adapter config holds."""
+
+
+def _refuse_graft_tensors_of_another_method(folder: str) -> None:
+    """A graft folder whose ``peft_type`` was changed to another method's would load as that method's adapter."""
+    try:
+        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    peft_type = str(config.get("peft_type")) if isinstance(config, dict) else ""
+    if peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type.lower() == GRAFT_NAME:
+        return  # a graft, or a peft_type the config reader refuses
+    weights, holds_graft = os.path.join(folder, WEIGHTS_NAME), False
+    if os.path.isfile(weights):
+        try:
+            with safetensors.safe_open(weights, "pt") as handle:
+                holds_graft = any(f".{GRAFT_PREFIX}indices" in key for key in handle.keys())  # noqa: SIM118
+        except SafetensorError:
+            return  # not readable: the loader reports it
+    if holds_graft:
+        raise ValueError(
+            f"{os.path.join(folder, CONFIG_NAME)!r} names peft_type={config.get('peft_type')!r}, but "
+            f"{WEIGHTS_NAME} holds graft tensors (graft_indices): the config was altered. A graft's peft_type is "
+            "'GRAFT'. Save or download the adapter again."
+        )
+
+
 def _refuse_pickled_graft(folder: str) -> None:
     """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
     try:
@@ -283,6 +348,13 @@ def wrap_config_reader(original):
                 "A graft needs `import peft_graft` before loading; another method needs the peft version or package "
                 "that defines it."
             )
+        graft_fields = [name for name in GRAFT_ONLY_FIELDS if loaded.get(name)]
+        if peft_type is not None and graft_fields and peft_type.lower() != GRAFT_NAME:
+            raise ValueError(
+                f"{os.fspath(path_json_file)!r} names peft_type={peft_type!r} but holds a graft's fields "
+                f"({', '.join(graft_fields)}): the config was altered. A graft's peft_type is 'GRAFT'; save or "
+                "download the adapter again."
+            )
         return loaded
 
     return from_json_file
@@ -306,7 +378,7 @@ def wrap_peft_type_reader(original):
 def wrap_push(original):
     @functools.wraps(original)
     def push_to_hub(self, repo_id, *args, commit_message=None, private=None, token=None, revision=None, **kwargs):
-        if not _is_graft(self):
+        if not is_graft_model(self):
             return original(
                 self,
                 repo_id,

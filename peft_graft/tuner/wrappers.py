@@ -5,7 +5,9 @@ clear errors for malformed configs, ``push_to_hub`` with the graft's card. Here 
 ``enable_adapters``, which re-enables adapter layers but not the ``modules_to_save`` heads its ``disable_adapters``
 disabled (a graft stores a new classification head whole), so that a re-enabled graft model runs with its head; and
 ``Trainer.train`` and ``Trainer.evaluation_loop``, so that callbacks and metrics can clean up when they raise.
-Models without a graft adapter take the original path everywhere.
+And the ``PeftModel`` methods that run a forward or change the model's state around the graft model's own, so that
+they hold the lock threads serving the model take turns with (:mod:`.in_place`). Models without a graft adapter take
+the original path everywhere.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from peft.utils import save_and_load
 from peft.utils.other import AuxiliaryTrainingWrapper
 from transformers import PreTrainedModel, Trainer, modeling_utils
 
+from .in_place import model_forward, state_change
 from .persistence import (
     is_graft_config,
+    is_graft_model,
     wrap_checkpoint_resolution,
     wrap_config_reader,
     wrap_load,
@@ -80,12 +84,44 @@ def wrap_evaluation_loop(original):
     return evaluation_loop
 
 
+def wrap_serving(original):
+    """``PeftModel.forward``/``generate`` of a model without a task type, which call the base model directly: the
+    whole forward holds the lock, as the graft model's own forward does (see :mod:`.in_place`)."""
+
+    @functools.wraps(original)
+    def serving(self, *args, **kwargs):
+        if not is_graft_model(self):
+            return original(self, *args, **kwargs)
+        with model_forward(self.base_model):
+            return original(self, *args, **kwargs)
+
+    return serving
+
+
+def wrap_state_change(original):
+    """``PeftModel.add_adapter``/``delete_adapter``, which change the model in several steps around the graft
+    model's: all of them under the lock, and refused inside a forward (see :mod:`.in_place`)."""
+
+    @functools.wraps(original)
+    def change(self, *args, **kwargs):
+        if not is_graft_model(self):
+            return original(self, *args, **kwargs)
+        with state_change(f"{original.__name__}()"):
+            return original(self, *args, **kwargs)
+
+    return change
+
+
 def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
     """``(class or module, method name, wrapper factory)`` of every library method the package wraps."""
     return [
         (PeftModel, "save_pretrained", wrap_save),
         (PeftModel, "load_adapter", wrap_load),
         (PeftModel, "push_to_hub", wrap_push),
+        (PeftModel, "forward", wrap_serving),
+        (PeftModel, "generate", wrap_serving),
+        (PeftModel, "add_adapter", wrap_state_change),
+        (PeftModel, "delete_adapter", wrap_state_change),
         (PeftConfig, "from_json_file", wrap_config_reader),
         (PeftConfig, "_get_peft_type", wrap_peft_type_reader),
         (PreTrainedModel, "load_adapter", wrap_transformers_load),
