@@ -160,9 +160,12 @@ def _padded_graft(folder: str, num_labels: int, out: Path) -> str:
 
 
 def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int]]:
-    """Request numbers per batch: in arrival order, tasks mixed; or per task (``per_task``)."""
+    """Request numbers per batch: in arrival order, tasks mixed (sorted by task within a batch, so that each graft's
+    examples are contiguous and the layers take views of the batch rather than copies); or per task (``per_task``)."""
     if mode == "mixed":
-        return [list(range(i, min(i + batch_size, len(requests)))) for i in range(0, len(requests), batch_size)]
+        tasks = requests["task"].tolist()
+        starts = range(0, len(requests), batch_size)
+        return [sorted(range(i, min(i + batch_size, len(requests))), key=lambda row: tasks[row]) for i in starts]
     out = []
     for _, group in requests.groupby("task", sort=False):
         rows = group.index.tolist()
