@@ -219,9 +219,11 @@ def suspended_writes() -> Iterator[None]:
         active = list(_IN_EFFECT)
         for model_write in reversed(active):
             model_write.undo()
+        _IN_EFFECT.clear()  # undone: a suspension nested in this one has nothing to undo, nor to write again
         try:
             yield
         finally:
+            _IN_EFFECT.extend(active)
             for model_write in active:
                 model_write.write()
 

@@ -25,6 +25,7 @@ from .in_place import (
     tensor_dict,
 )
 from .learning import RegionLearner
+from .mixed_batch import MixedBatch, layer_forward
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
 # autograd.SparseLinearDelta and the in-place inference forward (GraftLayer.in_place_plan).
@@ -81,6 +82,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self._entries_cache: dict[tuple[str, str], tuple] = {}  # see _sparse_entries
         self._in_place_plans: dict[tuple[str, ...], InPlacePlan] = {}  # by active adapters; see in_place_plan
         self.written_plan: InPlacePlan | None = None  # the plan in_place.written_in_place wrote for the model's forward
+        self.mixed_batch: MixedBatch | None = None  # one graft per example, while a mixed batch runs (mixed_batch.py)
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
         self._disable_adapters = False
         self.merged_adapters = []
@@ -436,6 +438,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return self._in_place_plans.get(tuple(self.active_adapters)) is plan and plan.is_current()
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mixed_batch is not None and not self.disable_adapters:
+            return layer_forward(self, self.mixed_batch, args, kwargs)
         plan = self.in_place_plan()
         if plan is not None:
             return plan.run(self.base_layer, args, kwargs)
@@ -471,19 +475,19 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Each tensor this layer applies -> (the layer storing its entries, its attribute there)."""
         return {attr: (self, attr) for attr in self.stored_attrs} | self.tied_sources
 
-    def _hard_sources(self) -> bool:
-        """Whether every active adapter has a hard region on every source layer and every tensor is contiguous (then,
+    def _hard_sources(self, adapters: tuple[str, ...]) -> bool:
+        """Whether each of ``adapters`` has a hard region on every source layer and every tensor is contiguous (then,
         unsharded, :meth:`in_place_plan` applies)."""
         for attr, (layer, _) in self._sources().items():
             if not getattr(self.base_layer, attr).is_contiguous():
                 return False
-            for adapter_name in self.active_adapters:
+            for adapter_name in adapters:
                 learner = layer.learner(adapter_name)
                 if learner is not None and learner.hard is None:
                     return False
         return True
 
-    def in_place_plan(self) -> InPlacePlan | None:
+    def in_place_plan(self, adapters: tuple[str, ...] | None = None) -> InPlacePlan | None:
         """How an unmerged forward without autograd writes the grafted entries into the base tensors for the base
         forward (:class:`~peft_graft.tuner.in_place.InPlacePlan`), or ``None`` where it does not apply: autograd on,
         adapters disabled or merged, FSDP2 shards, a region still soft. The base forward then sees exactly the values
@@ -491,14 +495,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
         The plan is found once, with every check (``verify_base``) done before anything is written, and kept for
         later forwards while nothing it was built from changes, one per set of active adapters (so ``set_adapter``
-        finds its plan again); not while an adapter learns its region, whose rounded region changes with S."""
+        finds its plan again); not while an adapter learns its region, whose rounded region changes with S.
+        ``adapters``: those to write (default: the active ones), e.g. one graft of a mixed batch."""
         if not GRAFT_IN_PLACE_INFERENCE or torch.is_grad_enabled() or self._disable_adapters or self.merged_adapters:
             return None
-        adapters = tuple(self.active_adapters)
+        adapters = tuple(self.active_adapters) if adapters is None else adapters
         plan = self._in_place_plans.get(adapters)
         if plan is not None and plan.is_current():
             return plan
-        if _refuse_sharded(self.base_layer, self.stored_attrs) or not self._hard_sources():
+        if _refuse_sharded(self.base_layer, self.stored_attrs) or not self._hard_sources(adapters):
             return None
         writes: list[InPlaceWrite] = []
         plan = InPlacePlan(writes)

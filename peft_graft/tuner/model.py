@@ -21,6 +21,7 @@ from .entries import check_entries
 from .in_place import model_forward, state_change, suspended_writes, written_in_place
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
+from .mixed_batch import BASE, mixed_batch_hooks
 from .planning import plan_loaded_graft, plan_new_graft
 
 COMBINATION_RULES = ("average", "sum", "first", "last")
@@ -177,8 +178,14 @@ class GraftModel(BaseTuner):
         return generate_with_grafts_written
 
     def _graft_layers_for_inference(self) -> list[GraftLayer]:
-        """The graft layers, when a forward runs without autograd (finding them costs nothing otherwise)."""
-        return [] if torch.is_grad_enabled() else self._adapter_modules()[0]
+        """The graft layers, when a forward runs without autograd (finding them costs nothing otherwise), and not in a
+        mixed batch (whose layers write each graft around their own calls)."""
+        if torch.is_grad_enabled() or self.__dict__.get("mixed_batch") is not None:
+            return []
+        return self._adapter_modules()[0]
+
+    # peft's mixed-batch inference: peft_model(**inputs, adapter_names=[...]), one graft (or "__base__") per example
+    _enable_peft_forward_hooks = mixed_batch_hooks
 
     def forward_state(self) -> tuple:
         """What a forward's output depends on besides the tensors: each graft layer's and head's active adapters,
@@ -595,10 +602,11 @@ def _check_saved_whole(config: GraftConfig, adapter_name: str, targets) -> None:
 
 def check_adapter_name(name: object) -> None:
     """Adapter names become folder names when saving and keys of module buffers: refuse what cannot be either."""
-    if not isinstance(name, str) or not name.strip() or any(c in name for c in "./\\:\0"):
+    if not isinstance(name, str) or not name.strip() or any(c in name for c in "./\\:\0") or name == BASE:
         raise ValueError(
             f"adapter_name={name!r} cannot name a graft: it becomes a sub-folder of the save directory and a key of "
-            "the graft layers' buffers. Use a non-empty name without '.', '/', '\\', ':' (e.g. 'sentiment_v2')."
+            "the graft layers' buffers. Use a non-empty name without '.', '/', '\\', ':' (e.g. 'sentiment_v2'); "
+            "'__base__' names the pre-trained model in mixed batches (adapter_names)."
         )
 
 

@@ -1,0 +1,316 @@
+"""Mixed-graft batches (``model(**batch, adapter_names=[...])``) on a random RoBERTa-base-sized classifier
+(125M parameters, built from ``RobertaConfig()``), batch 32 x 128, 2 threads.
+
+Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
+
+- ``design``: the two ways to apply 8 grafts to one batch, measured on RoBERTa-base's two Linear shapes (768 -> 768
+  and 768 -> 3072) over 4,096 tokens, with grafts of 0.01% and 1% of the weight: (a) the base layer once per graft's
+  examples with that graft's entries written in place (what the library does); (b) the base layer once for the whole
+  batch plus each graft's sparse delta added to its examples' outputs (``index_put_`` with ``accumulate``, as
+  ``y_i += x_i[:, cols] * dW[rows, cols]``). Paired ratios to the base layer, and (b)'s largest difference from (a).
+- ``mixed``: 8 grafts of 0.01% (0.01% of every tensor, about 12,500 entries, each with its own classification head
+  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch), against the base model's forward on
+  the same batch; beside it, peft LoRA (r = 8 on query and value, 8 adapters, the shared head: peft's mixed batches
+  refuse a RoBERTa head per adapter) against the same base forward.
+- ``scaling``: the mixed batch with 1, 8 and 32 distinct grafts of 0.01%, and with 8 grafts of 0.001%, 0.1% and 1%.
+- ``memory`` (its own process): 1,000 grafts of 0.01% without heads (sparse entries only) loaded with
+  ``load_adapter`` onto one base: peak RSS over the loaded base against the adapters' file sizes, load time per
+  graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
+
+Every ratio is the median (and quartiles) of pairs timed back to back, variant then base (``paired_ratios``). Results
+are appended to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
+
+Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import RobertaForSequenceClassification
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_graft import make_pair, paired_ratios, peak_rss_mb, reset_peak_rss, rss_mb
+
+import peft_graft  # noqa: F401  (registers the graft method)
+from peft_graft import GraftConfig, Region
+
+BATCH, SEQ_LEN, GROUPS = 32, 128, 8
+SOURCES = 10  # distinct saved grafts behind the memory part's thousand
+
+
+def random_region(finetuned: dict[str, torch.Tensor], fraction: float, seed: int) -> Region:
+    """``fraction`` of every tensor's entries (at least one), drawn with a seed: O(entries), unlike a global draw."""
+    generator = torch.Generator().manual_seed(seed)
+    region = {}
+    for name, tensor in finetuned.items():
+        if tensor.is_floating_point() and not name.startswith("classifier."):
+            count = max(1, round(fraction * tensor.numel()))
+            drawn = torch.randint(tensor.numel(), (2 * count,), generator=generator).unique()
+            region[name] = drawn[torch.randperm(drawn.numel(), generator=generator)[:count]].sort().values
+    return Region(region)
+
+
+def graft_config(finetuned, fraction: float, seed: int, heads: bool = True) -> GraftConfig:
+    heads = {"modules_to_save": ["classifier"], "task_type": "SEQ_CLS"} if heads else {}
+    region = random_region(finetuned, fraction, seed)
+    return GraftConfig(finetuned=finetuned, region="given", given_region=region, **heads)
+
+
+def batch(vocab_size: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def one_time(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def paired(variant, base, repeats: int) -> tuple[list[float], list[float]]:
+    """``repeats`` pairs, each the variant then the base, after one warm-up of each."""
+    variant(), base()
+    times, base_times = [], []
+    for _ in range(repeats):
+        times.append(one_time(variant))
+        base_times.append(one_time(base))
+    return times, base_times
+
+
+def summary(name: str, times: list[float], base_times: list[float]) -> dict:
+    return {
+        f"{name}_ms": round(1e3 * statistics.median(times), 1),
+        f"{name}_base_ms": round(1e3 * statistics.median(base_times), 1),
+        **paired_ratios(f"{name}_over_base", times, base_times),
+    }
+
+
+def forward(model, inputs: dict, **kwargs):
+    with torch.inference_mode():
+        return model(**inputs, **kwargs).logits
+
+
+def plain_copy(pre: torch.nn.Module) -> torch.nn.Module:
+    base = RobertaForSequenceClassification(pre.config).eval()
+    base.load_state_dict(pre.state_dict())
+    return base
+
+
+def versus_base(name: str, model, base, inputs: dict, repeats: int, **kwargs) -> dict:
+    """``model``'s forward (with ``kwargs``, e.g. adapter_names) against ``base``'s on the same batch, paired."""
+    return summary(name, *paired(lambda: forward(model, inputs, **kwargs), lambda: forward(base, inputs), repeats))
+
+
+# ------------------------------------------------------------------------------------------------ parts
+def design_variants(layer: torch.nn.Linear, x: torch.Tensor, groups: list[torch.Tensor], grafts: list[tuple]):
+    """The two designs for one Linear: ``(in place per group, base output plus sparse deltas)``."""
+    weight, tokens = layer.weight.data.view(-1), torch.arange(x.shape[1])
+
+    def in_place():
+        y = None
+        for index, (flat, _, _, delta) in zip(groups, grafts, strict=True):
+            original = weight.take(flat)
+            weight.put_(flat, original + delta)
+            try:
+                part = layer(x.index_select(0, index))
+            finally:
+                weight.put_(flat, original)
+            y = part.new_empty((x.shape[0], *part.shape[1:])) if y is None else y
+            y.index_copy_(0, index, part)
+        return y
+
+    def sparse_deltas():
+        y = layer(x)
+        for index, (_, rows, cols, delta) in zip(groups, grafts, strict=True):
+            contribution = x.index_select(0, index).index_select(-1, cols) * delta
+            y.index_put_((index[:, None, None], tokens[None, :, None], rows[None, None, :]), contribution, True)
+        return y
+
+    return in_place, sparse_deltas
+
+
+def part_design(repeats: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, SEQ_LEN, 768)
+    groups = [torch.arange(g, BATCH, GROUPS) for g in range(GROUPS)]  # spread over the batch
+    out = {}
+    for features in (768, 3072):
+        layer = torch.nn.Linear(768, features)
+        for fraction in (1e-4, 1e-2):
+            count = max(1, round(fraction * layer.weight.numel()))
+            grafts = []
+            for _ in range(GROUPS):
+                flat = torch.randperm(layer.weight.numel())[:count].sort().values
+                grafts.append((flat, flat // 768, flat % 768, 1e-2 * torch.randn(count)))
+            in_place, sparse_deltas = design_variants(layer, x, groups, grafts)
+            key = f"linear_768x{features}_{fraction:.2%}"
+            with torch.inference_mode():
+                out.update(summary(f"{key}_in_place", *paired(in_place, lambda: layer(x), repeats)))  # noqa: B023
+                out.update(summary(f"{key}_sparse_deltas", *paired(sparse_deltas, lambda: layer(x), repeats)))  # noqa: B023
+                out[f"{key}_sparse_deltas_max_abs_difference"] = float((sparse_deltas() - in_place()).abs().max())
+    return out
+
+
+def part_mixed(repeats: int) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    pre, finetuned = make_pair()
+    base = plain_copy(pre)
+    inputs = batch(pre.config.vocab_size)
+    names = [f"g{i % GROUPS}" for i in range(BATCH)]
+    model = get_peft_model(pre, graft_config(finetuned, 1e-4, seed=0), adapter_name="g0").eval()
+    for g in range(1, GROUPS):
+        model.add_adapter(f"g{g}", graft_config(finetuned, 1e-4, seed=g))
+    del finetuned
+    result = {"entries_per_graft": model.get_region("g0").num_entries}
+    result.update(versus_base("graft_mixed", model, base, inputs, repeats, adapter_names=names))
+    result.update(versus_base("graft_single", model, base, inputs, repeats))
+    del model
+    config = dict(r=8, lora_alpha=16, target_modules=["query", "value"], init_lora_weights=False)
+    lora = get_peft_model(plain_copy(base), LoraConfig(**config), adapter_name="g0").eval()
+    for g in range(1, GROUPS):
+        lora.add_adapter(f"g{g}", LoraConfig(**config))
+    result.update(versus_base("lora_mixed", lora, base, inputs, repeats, adapter_names=names))
+    return result
+
+
+def part_scaling(repeats: int) -> dict:
+    from peft import get_peft_model
+
+    pre, finetuned = make_pair()
+    base = plain_copy(pre)
+    inputs = batch(pre.config.vocab_size)
+    model = get_peft_model(pre, graft_config(finetuned, 1e-6, seed=99), adapter_name="keep").eval()
+    result = {}
+    for distinct, fraction in ((1, 1e-4), (8, 1e-4), (32, 1e-4), (8, 1e-5), (8, 1e-3), (8, 1e-2)):
+        for g in range(distinct):
+            model.add_adapter(f"g{g}", graft_config(finetuned, fraction, seed=g))
+        names = [f"g{i % distinct}" for i in range(BATCH)]
+        key = f"{distinct}_grafts_{fraction:.3%}"
+        result.update(versus_base(key, model, base, inputs, repeats, adapter_names=names))
+        for g in range(distinct):
+            model.delete_adapter(f"g{g}")
+    return result
+
+
+def part_memory(count: int = 1000) -> dict:
+    from peft import PeftModel, get_peft_model
+
+    pre, finetuned = make_pair()
+    with tempfile.TemporaryDirectory() as folder:
+        maker = get_peft_model(pre, graft_config(finetuned, 1e-4, seed=0, heads=False), adapter_name="s0")
+        for s in range(1, SOURCES):  # different grafts, each loaded count / SOURCES times under its own names
+            maker.add_adapter(f"s{s}", graft_config(finetuned, 1e-4, seed=s, heads=False))
+        maker.save_pretrained(folder)
+        sources = [os.path.join(folder, f"s{s}") for s in range(SOURCES)]
+        pre = maker.unload()
+        del maker, finetuned
+        file_bytes = [os.path.getsize(os.path.join(source, "adapter_model.safetensors")) for source in sources]
+        model = PeftModel.from_pretrained(pre, sources[0], adapter_name="g0").eval()
+        _trim()
+        before = rss_mb()
+        reset_peak_rss()
+        start = time.perf_counter()
+        for g in range(1, count):
+            model.load_adapter(sources[g % SOURCES], adapter_name=f"g{g}")
+        load_s = time.perf_counter() - start
+        loaded_files_mb = sum(file_bytes[g % SOURCES] for g in range(1, count)) / 2**20
+        peak_mb, after_mb = peak_rss_mb() - before, rss_mb() - before
+        names = [f"g{(i * 37) % count}" for i in range(BATCH)]
+        ids = torch.randint(3, pre.config.vocab_size, (BATCH, 16), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            model(input_ids=ids, adapter_names=names)  # serving a mixed batch from the thousand
+        served_mb = rss_mb() - before
+        start = time.perf_counter()
+        for g in range(1, count):
+            model.delete_adapter(f"g{g}")
+        delete_s = time.perf_counter() - start
+        _trim()
+        return {
+            "grafts": count,
+            "entries_per_graft": model.get_region("g0").num_entries,
+            "file_bytes_per_graft": statistics.median(file_bytes),
+            "files_mb": round(loaded_files_mb, 1),
+            "peak_rss_over_base_mb": round(peak_mb, 1),
+            "peak_over_files": round(peak_mb / loaded_files_mb, 2),
+            "rss_over_base_after_loading_mb": round(after_mb, 1),
+            "rss_over_base_after_a_mixed_forward_mb": round(served_mb, 1),
+            "load_ms_per_graft": round(1e3 * load_s / (count - 1), 1),
+            "delete_ms_per_graft": round(1e3 * delete_s / (count - 1), 2),
+            "rss_over_base_after_deleting_mb": round(rss_mb() - before, 1),
+        }
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the system (glibc keeps it otherwise), so RSS shows what is held."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+PARTS = {"design": part_design, "mixed": part_mixed, "scaling": part_scaling, "memory": part_memory}
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--grafts", type=int, default=1000, help="for the memory part")
+    parser.add_argument("--out", default="bench_mixed_batch.jsonl")
+    parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    hf_logging.set_verbosity_error()
+    if args.child:
+        part = PARTS[args.child]
+        print(json.dumps(part(args.grafts) if args.child == "memory" else part(args.repeats)))
+        return
+    done = set()
+    if os.path.exists(args.out):
+        with open(args.out) as handle:
+            done = {json.loads(line)["part"] for line in handle if line.strip()}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH} x {SEQ_LEN}")
+    for name in args.parts:
+        if name in done:
+            print(f"{name}: already in {args.out}")
+            continue
+        load_before = load_average()
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            "--repeats",
+            str(args.repeats),
+            "--grafts",
+            str(args.grafts),
+        ]
+        child = subprocess.run(command, capture_output=True, text=True)  # its own process: its own peak RSS
+        if child.returncode:
+            sys.exit(f"part {name} failed:\n{child.stderr[-5000:]}")
+        output = child.stdout
+        record = {"part": name, "load_before": load_before, "load_after": load_average()}
+        record.update(json.loads(output.strip().splitlines()[-1]))
+        with open(args.out, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        print(name, json.dumps(record, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()

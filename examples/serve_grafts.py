@@ -1,0 +1,257 @@
+"""Serve several grafts from one base model, batching requests of different tasks together (``adapter_names``).
+
+Reads a file of ``(task, text)`` requests (``.jsonl`` with ``task`` and ``text`` fields, or ``.csv``/``.tsv`` with
+those columns), cuts it into batches in arrival order (tasks mixed), runs each batch once with one graft per request
+(``model(**batch, adapter_names=[task, ...])``; ``"__base__"`` asks for the pre-trained model), and writes one JSON
+line per request: the predicted class, the batch it ran in and its latency (the wall time of its batch: tokenizing
+and the forward), plus a summary with the throughput. ``--mode per_task`` serves the same requests one task at a time
+(``set_adapter`` and a batch per task), for comparison.
+
+The grafts (``--graft TASK=FOLDER``) are folders saved by ``examples/run_graft.py``, e.g. the main command's and the
+other tasks' (the same pre-trained MiniLM under all three)::
+
+    python examples/run_pipeline.py                 # outputs/pipeline/minilm_mr/graft_0.0001
+    python examples/run_pipeline.py --task trec     # outputs/pipeline/minilm_trec/graft_0.0001
+    python examples/run_pipeline.py --task sms      # outputs/pipeline/minilm_sms/graft_0.0001
+    python examples/serve_grafts.py --requests requests.jsonl --output_dir outputs/serving \\
+        --graft mr=outputs/pipeline/minilm_mr/graft_0.0001 --graft trec=outputs/pipeline/minilm_trec/graft_0.0001 \\
+        --graft sms=outputs/pipeline/minilm_sms/graft_0.0001
+
+Without ``--graft`` it builds small demo grafts itself, offline, from the packaged MiniLM (a few fine-tuning steps per
+task, then a top-k-movement graft of 0.01% with the task's head stored whole: quick, not the paper's learned
+regions); without ``--requests`` it draws requests from the packaged MR, TREC and SMS data.
+
+Tasks with different numbers of classes share one base: every head is padded to the largest with rows that never win
+(weight 0, bias -1e4) when its graft is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import example_utils as U
+import pandas as pd
+import torch
+from peft import PeftModel, get_peft_model
+from real_tasks import ASSETS, ensure_assets, minilm_dir, task_frame
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from peft_graft import GraftConfig
+from peft_graft._checksum import record_weights_checksum
+
+logger = logging.getLogger(__name__)
+
+PAD_BIAS = -1e4  # a padded class's logit: below any real one
+DEMO_TASKS = ("mr", "trec", "sms")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graft", action="append", default=[], metavar="TASK=FOLDER", help="A graft to serve.")
+    parser.add_argument("--model_name_or_path", default=None, help="The pre-trained base (default: packaged MiniLM).")
+    parser.add_argument("--requests", default=None, help="A .jsonl/.csv/.tsv file of task, text requests.")
+    parser.add_argument("--output_dir", default="outputs/serving")
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--max_seq_length", type=int, default=64)
+    parser.add_argument("--mode", choices=("mixed", "per_task"), default="mixed")
+    parser.add_argument("--num_requests", type=int, default=256, help="Demo requests drawn when --requests is absent.")
+    parser.add_argument("--demo_steps", type=int, default=30, help="Fine-tuning steps per demo graft.")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ demo grafts
+def build_demo_grafts(base: str, folder: Path, steps: int) -> dict[str, str]:
+    """A small graft per packaged task: ``steps`` AdamW steps of MiniLM with a new head on the task's first examples,
+    then the top 0.01% entries by movement, the head stored whole. Saved under ``folder/TASK``."""
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    grafts = {}
+    for task in DEMO_TASKS:
+        frame = task_frame(task).sample(frac=1.0, random_state=0).reset_index(drop=True).iloc[:512]
+        label_names = sorted(frame["label"].unique().tolist())
+        labels = torch.tensor([label_names.index(label) for label in frame["label"]])
+        torch.manual_seed(0)
+        pre = AutoModelForSequenceClassification.from_pretrained(base, num_labels=len(label_names))
+        finetuned = AutoModelForSequenceClassification.from_pretrained(base, num_labels=len(label_names))
+        finetuned.load_state_dict(pre.state_dict())
+        optimizer = torch.optim.AdamW(finetuned.parameters(), lr=5e-5)
+        finetuned.train()
+        for step in range(steps):
+            rows = [(step * 16 + i) % len(frame) for i in range(16)]
+            inputs = tokenizer(frame["text"].iloc[rows].tolist(), padding=True, truncation=True, max_length=64,
+                               return_tensors="pt")  # fmt: skip
+            loss = finetuned(**inputs, labels=labels[rows]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        config = GraftConfig(finetuned=finetuned.eval(), sparsity=1e-4, modules_to_save=["classifier"],
+                             task_type="SEQ_CLS")  # fmt: skip
+        out = folder / task
+        get_peft_model(pre, config).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        U.TaskSetup(label_names=[str(name) for name in label_names]).save(out)
+        grafts[task] = str(out)
+        logger.info("Demo graft %s: %d fine-tuning steps, last loss %.3f, saved in %s", task, steps, loss.item(), out)
+    return grafts
+
+
+def demo_requests(tasks: list[str], count: int, path: Path) -> str:
+    """``count`` requests drawn in turn from the tasks' data (texts the demo grafts were not fine-tuned on)."""
+    frames = {task: task_frame(task).sample(frac=1.0, random_state=0).reset_index(drop=True) for task in tasks}
+    rows = [{"task": tasks[i % len(tasks)], "text": frames[tasks[i % len(tasks)]]["text"].iloc[-1 - i // len(tasks)]}
+            for i in range(count)]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+def read_requests(path: str) -> pd.DataFrame:
+    frame = pd.read_json(path, lines=True) if path.endswith(".jsonl") else U.read_table(path)
+    missing = {"task", "text"} - set(frame.columns)
+    if missing:
+        raise ValueError(f"{path}: the requests need columns 'task' and 'text'; missing {sorted(missing)}.")
+    return frame[["task", "text"]].astype(str).reset_index(drop=True)
+
+
+def load_grafts(base: str, grafts: dict[str, str]) -> tuple[PeftModel, dict[str, list[str]]]:
+    """One base with every graft loaded under its task's name; heads padded to the largest number of classes."""
+    setups = {}
+    for task, folder in grafts.items():
+        setup = U.TaskSetup.load(folder)
+        if setup is None or setup.head != "classification":
+            raise ValueError(f"--graft {task}={folder}: not a classification graft saved by examples/run_graft.py.")
+        setups[task] = setup.label_names
+    num_labels = max(len(names) for names in setups.values())
+    # The base's own head (if any) is never used: every graft stores its head whole.
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base, num_labels=num_labels, ignore_mismatched_sizes=True
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        for number, (task, folder) in enumerate(grafts.items()):
+            padded = _padded_graft(folder, num_labels, Path(scratch, task))
+            if number == 0:
+                model = PeftModel.from_pretrained(model, padded, adapter_name=task)
+            else:
+                model.load_adapter(padded, adapter_name=task)
+    return model.eval(), setups
+
+
+def _padded_graft(folder: str, num_labels: int, out: Path) -> str:
+    """A copy of the graft whose classification head has ``num_labels`` rows (the extra ones never win)."""
+    tensors = load_file(str(Path(folder, "adapter_model.safetensors")))
+    for key, value in tensors.items():
+        if key.endswith("weight") and "classifier" in key and value.shape[0] < num_labels:
+            tensors[key] = torch.cat([value, value.new_zeros(num_labels - value.shape[0], *value.shape[1:])])
+        elif key.endswith("bias") and "classifier" in key and value.shape[0] < num_labels:
+            tensors[key] = torch.cat([value, value.new_full((num_labels - value.shape[0],), PAD_BIAS)])
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(Path(folder, "adapter_config.json"), out / "adapter_config.json")
+    record_weights_checksum(out)  # a new file: its own checksum
+    return str(out)
+
+
+def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int]]:
+    """Request numbers per batch: in arrival order, tasks mixed (sorted by task within a batch, so that each graft's
+    examples are contiguous and the layers take views of the batch rather than copies); or per task (``per_task``)."""
+    if mode == "mixed":
+        tasks = requests["task"].tolist()
+        starts = range(0, len(requests), batch_size)
+        return [sorted(range(i, min(i + batch_size, len(requests))), key=lambda row: tasks[row]) for i in starts]
+    out = []
+    for _, group in requests.groupby("task", sort=False):
+        rows = group.index.tolist()
+        out.extend(rows[i : i + batch_size] for i in range(0, len(rows), batch_size))
+    return out
+
+
+def serve(model, tokenizer, setups, requests: pd.DataFrame, batch_size: int, max_length: int, mode: str) -> list:
+    unknown = sorted(set(requests["task"]) - set(setups) - {"__base__"})
+    if unknown:
+        raise ValueError(f"Requests for tasks without a graft: {unknown}; grafts: {sorted(setups)}.")
+    results = [None] * len(requests)
+    start = time.perf_counter()
+    for number, rows in enumerate(batches(requests, batch_size, mode)):
+        batch_start = time.perf_counter()
+        tasks = requests["task"].iloc[rows].tolist()
+        inputs = tokenizer(requests["text"].iloc[rows].tolist(), padding=True, truncation=True, max_length=max_length,
+                           return_tensors="pt")  # fmt: skip
+        with torch.inference_mode():
+            if mode == "mixed":
+                logits = model(**inputs, adapter_names=tasks).logits
+            elif tasks[0] == "__base__":
+                with model.disable_adapter():
+                    logits = model(**inputs).logits
+            else:
+                model.set_adapter(tasks[0])
+                logits = model(**inputs).logits
+        done = time.perf_counter()
+        for row, task, scores in zip(rows, tasks, logits, strict=True):
+            names = setups.get(task)
+            label = int(scores[: len(names)].argmax()) if names else int(scores.argmax())
+            results[row] = {
+                "id": row,
+                "task": task,
+                "text": requests["text"].iloc[row],
+                "prediction": names[label] if names else label,
+                "batch": number,
+                "latency_ms": round(1e3 * (done - batch_start), 2),
+                "completed_ms": round(1e3 * (done - start), 2),
+            }
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    U.setup_logging(None, logger)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.model_name_or_path is None or not args.graft or args.requests is None:
+        ensure_assets(ASSETS)
+    base = args.model_name_or_path or minilm_dir()
+    grafts = dict(spec.split("=", 1) for spec in args.graft)
+    if not grafts:
+        grafts = build_demo_grafts(base, output_dir / "demo_grafts", args.demo_steps)
+    requests_path = args.requests or demo_requests(list(grafts), args.num_requests, output_dir / "requests.jsonl")
+    requests = read_requests(requests_path)
+    start = time.perf_counter()
+    model, setups = load_grafts(base, grafts)
+    load_s = time.perf_counter() - start
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(grafts.values())))
+    serve(model, tokenizer, setups, requests.iloc[: args.batch_size], args.batch_size, args.max_seq_length, args.mode)
+    start = time.perf_counter()  # timed after one warm-up batch
+    results = serve(model, tokenizer, setups, requests, args.batch_size, args.max_seq_length, args.mode)
+    total_s = time.perf_counter() - start
+    with open(output_dir / "predictions.jsonl", "w") as handle:
+        handle.writelines(json.dumps(result) + "\n" for result in results)
+    latencies = [result["latency_ms"] for result in results]
+    summary = {
+        "mode": args.mode,
+        "grafts": sorted(grafts),
+        "requests": len(results),
+        "batch_size": args.batch_size,
+        "batches": len({result["batch"] for result in results}),
+        "load_grafts_s": round(load_s, 2),
+        "total_s": round(total_s, 3),
+        "throughput_requests_per_s": round(len(results) / total_s, 1),
+        "latency_ms_median": round(statistics.median(latencies), 1),
+        "latency_ms_max": round(max(latencies), 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("Served %d requests: %s", len(results), json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

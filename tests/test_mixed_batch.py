@@ -1,0 +1,310 @@
+"""Mixed-graft batches (``adapter_names=[...]``, one graft or ``"__base__"`` per example, as peft's LoRA offers): each
+example gets what a forward with only its graft active gives, on every layer type and head, in ``generate``, with
+peft's argument checks, and with the single-graft path's guarantees (threads, nested forwards, errors).
+
+Exactness: a graft layer runs its base layer once per group of examples with the group's graft written in place, so an
+example goes through the arithmetic of the single-graft forward on its group's rows. Against a single-graft forward of
+exactly those rows (each task's requests as their own batch, the same padding) the output is bit-exact. Against a
+single-graft forward of the *whole* batch it is exact where a matrix product's rows do not depend on how many rows the
+call has (CPU kernels choose their blocking by size, so on these tiny models the last bits can differ): there the
+bound is ``RTOL`` of the output's largest magnitude (measured: below 1e-7 relative)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from peft import get_peft_model
+from testing_utils import VOCAB, clone_model, finetune_like, input_ids, make_pair
+from torch import nn
+
+from peft_graft import GraftConfig
+from peft_graft.tuner.in_place import WRITE_LOCK
+
+NAMES = ["sst", "__base__", "trec", "sst", "news", "trec"]
+RTOL = 1e-6  # against a single-graft forward of the whole batch (see the module docstring)
+
+
+def grafts(arch: str):
+    """``(pre, peft model)``: grafts "sst", "trec", "news" of other fine-tunings (and heads), "news" at scale 0.5."""
+    pre, finetuned, task_type = make_pair(arch)
+    model = get_peft_model(
+        clone_model(pre),
+        GraftConfig(finetuned=finetuned, sparsity=0.05, region="random", seed=1, task_type=task_type),
+        adapter_name="sst",
+    )
+    for seed, name in ((2, "trec"), (3, "news")):
+        config = GraftConfig(
+            finetuned=finetune_like(pre, seed=seed), sparsity=0.05, region="random", seed=seed, task_type=task_type
+        )
+        model.add_adapter(name, config)
+    model.set_scale(0.5, "news")
+    model.set_adapter("sst")
+    return pre, model.eval()
+
+
+def batch(size: int = len(NAMES), length: int = 9) -> dict[str, torch.Tensor]:
+    ids = input_ids(size, length, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding, as for generation
+    mask[4:5, :5] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def unchanged(model, before) -> bool:
+    return all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def single(model, name: str, inputs: dict, rows: list[int] | None = None) -> torch.Tensor:
+    """The logits of a forward with only ``name`` active (or adapters disabled for "__base__") on ``rows``."""
+    inputs = inputs if rows is None else {k: v[rows] for k, v in inputs.items()}
+    with torch.no_grad():
+        if name == "__base__":
+            with model.disable_adapter():
+                return model(**inputs).logits
+        active = model.active_adapter
+        model.set_adapter(name)
+        try:
+            return model(**inputs).logits
+        finally:
+            model.set_adapter(active)
+
+
+def check_per_example(model, inputs: dict, names: list[str], out: torch.Tensor) -> None:
+    """Bit-exact against each graft's examples as their own batch, and within RTOL of the whole batch."""
+    for name in dict.fromkeys(names):
+        rows = [i for i, n in enumerate(names) if n == name]
+        assert torch.equal(out[rows], single(model, name, inputs, rows)), name
+        whole = single(model, name, inputs)[rows]
+        assert (out[rows] - whole).abs().max() <= RTOL * whole.abs().max(), name
+
+
+def test_each_example_gets_its_grafts_output(arch):
+    """Encoders (a head stored whole per graft for sequence classification) and decoders (tied embeddings), padded."""
+    pre, model = grafts(arch)
+    inputs, before = batch(), state(model)
+    with torch.no_grad():
+        out = model(**inputs, adapter_names=NAMES).logits
+    assert unchanged(model, before)
+    assert all(layer.mixed_batch is None for layer in model.base_model.graft_layers().values())
+    check_per_example(model, inputs, NAMES, out)
+    with torch.no_grad():
+        assert torch.equal(out[[1]], pre(**{k: v[[1]] for k, v in inputs.items()}).logits)  # "__base__"
+    row = NAMES.index("sst")
+    assert not torch.equal(out[row], single(model, "trec", inputs)[row])  # the grafts differ
+    assert model.active_adapter == "sst"
+
+
+def test_different_classification_heads_per_example():
+    """A graft stores a new classification head whole (modules_to_save): each example goes through its graft's."""
+    _, model = grafts("roberta_cls")
+    heads = model.base_model.model.classifier.modules_to_save
+    assert set(heads) == {"sst", "trec", "news"}
+    with torch.no_grad():
+        heads["trec"].out_proj.weight.mul_(-3)  # a clearly different head for "trec"
+    inputs = batch()
+    with torch.no_grad():
+        out = model(**inputs, adapter_names=NAMES).logits
+    check_per_example(model, inputs, NAMES, out)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_generate_gives_each_example_its_grafts_tokens(arch):
+    """Greedy generation with the KV cache, left padding, tied input and output embeddings (Llama)."""
+    _, model = grafts(arch)
+    inputs, before = batch(), state(model)
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        tokens = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+    assert unchanged(model, before)
+    for name in dict.fromkeys(NAMES):
+        rows = [i for i, n in enumerate(NAMES) if n == name]
+        own = {k: v[rows] for k, v in inputs.items()}
+        if name == "__base__":
+            with model.disable_adapter():
+                expected = model.generate(**own, **kwargs)
+        else:
+            model.set_adapter(name)
+            expected = model.generate(**own, **kwargs)
+        assert torch.equal(tokens[rows], expected), name
+    model.set_adapter("sst")
+
+
+def test_beam_search_repeats_each_name_per_beam():
+    _, model = grafts("gpt2")
+    inputs = batch(3)
+    names = ["trec", "sst", "__base__"]
+    kwargs = dict(max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
+    tokens = model.generate(**inputs, **kwargs, adapter_names=names)
+    for row, name in enumerate(names):
+        own = {k: v[[row]] for k, v in inputs.items()}
+        if name == "__base__":
+            with model.disable_adapter():
+                expected = model.generate(**own, **kwargs)
+        else:
+            model.set_adapter(name)
+            expected = model.generate(**own, **kwargs)
+        assert torch.equal(tokens[row, : expected.shape[1]], expected[0]), name
+
+
+class Mixed(nn.Module):
+    """Embedding, Conv1d, LayerNorm and Linear: every plain layer type a graft applies to."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.conv = nn.Embedding(VOCAB, 8), nn.Conv1d(8, 8, 3, padding=1)
+        self.norm, self.out = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.conv(self.emb(x).transpose(1, 2)).transpose(1, 2)
+        return self.out(self.norm(h))
+
+
+def test_plain_layer_types_and_autograd_on():
+    """Custom modules through peft's PeftModel; with autograd on in eval mode, the functional forward per group."""
+    torch.manual_seed(0)
+    pre = Mixed()
+    model = get_peft_model(clone_plain(pre), GraftConfig(finetuned=finetune_like(pre), sparsity=0.2), "sst")
+    model.add_adapter("trec", GraftConfig(finetuned=finetune_like(pre, seed=5), sparsity=0.2, region="random", seed=5))
+    model.eval()
+    x, names = input_ids(5, 7, seed=2), ["trec", "sst", "__base__", "trec", "sst"]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            out = model(x, adapter_names=names)
+            for name in dict.fromkeys(names):
+                rows = [i for i, n in enumerate(names) if n == name]
+                if name == "__base__":
+                    with model.disable_adapter():
+                        expected = model(x[rows])
+                else:
+                    model.set_adapter(name)
+                    expected = model(x[rows])
+                assert torch.equal(out[rows], expected), (name, grad)
+        model.set_adapter("sst")
+    assert out.requires_grad
+
+
+def clone_plain(model: nn.Module) -> nn.Module:
+    copy = type(model)()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+# ------------------------------------------------------------------------------------------------ argument checks
+def test_argument_errors_match_peft():
+    _, model = grafts("bert_cls")
+    inputs = batch()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="Length of `adapter_names` should be the same as the number of inputs"):
+            model(**inputs, adapter_names=NAMES[:-1])
+        with pytest.raises(ValueError, match=r"non-existing adapter.*typo"):
+            model(**inputs, adapter_names=[*NAMES[:-1], "typo"])
+        with pytest.raises(TypeError, match="list of adapter names"):
+            model(**inputs, adapter_names="sst")
+        with pytest.raises(TypeError, match="must hold strings"):
+            model(**inputs, adapter_names=[*NAMES[:-1], 3])
+        model.train()
+        with pytest.raises(ValueError, match="training mode"):
+            model(**inputs, adapter_names=NAMES)
+        model.eval()
+        model.merge_adapter(["trec"])
+        with pytest.raises(ValueError, match="merged adapters"):
+            model(**inputs, adapter_names=NAMES)
+        model.unmerge_adapter()
+        assert torch.equal(model(**inputs, adapter_names=NAMES).logits, model(**inputs, adapter_names=NAMES).logits)
+
+
+def test_a_region_still_learned_is_refused_and_base_is_a_reserved_name():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    config = GraftConfig(finetuned=finetuned, sparsity=0.05, learn_region=True, task_type=task_type)
+    model = get_peft_model(clone_model(pre), config).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="still learning its region"):
+        model(**batch(2), adapter_names=["default", "__base__"])
+    with pytest.raises(ValueError, match="'__base__' names the pre-trained model"):
+        model.add_adapter("__base__", GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
+
+
+def test_adapters_disabled_ignore_adapter_names_as_peft_does():
+    pre, model = grafts("gpt2")
+    inputs = batch()
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(model(**inputs, adapter_names=NAMES).logits, pre(**inputs).logits)
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+def test_threads_mixing_batches_and_single_graft_forwards_get_their_outputs():
+    _, model = grafts("gpt2")
+    inputs, before = batch(), state(model)
+    with torch.no_grad():
+        mixed = model(**inputs, adapter_names=NAMES).logits
+        alone = model(**inputs).logits  # "sst" active
+
+    def serve(i: int) -> bool:
+        with torch.no_grad():
+            if i % 2:
+                return all(torch.equal(model(**inputs, adapter_names=NAMES).logits, mixed) for _ in range(10))
+            return all(torch.equal(model(**inputs).logits, alone) for _ in range(10))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(serve, range(4)))
+    assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("nested_names", [None, ["news"] * len(NAMES)])
+def test_a_forward_nested_in_a_mixed_batch_sees_the_state_it_asks_for(nested_names):
+    """A hook calling the model inside a mixed forward: without adapter_names it gets the model's ordinary output
+    (the active graft), with its own adapter_names those; and a mixed forward nested in an ordinary one."""
+    _, model = grafts("gpt2")
+    inputs, before = batch(), state(model)
+    extra = {} if nested_names is None else {"adapter_names": nested_names}
+    with torch.no_grad():
+        expected_inner = model(**inputs, **extra).logits
+        expected_outer = model(**inputs, adapter_names=NAMES).logits
+    seen = []
+
+    def hook(*_):
+        if not seen:  # the nested forward runs this hook too
+            seen.append(None)
+            seen[0] = model(**inputs, **extra).logits
+
+    handle = model.get_base_model().transformer.h[1].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            outer = model(**inputs, adapter_names=NAMES).logits
+        assert torch.equal(seen[0], expected_inner) and torch.equal(outer, expected_outer)
+        seen.clear()
+        extra = {"adapter_names": NAMES}  # a mixed batch nested in an ordinary forward
+        with torch.no_grad():
+            outer = model(**inputs).logits
+        assert torch.equal(seen[0], expected_outer) and torch.equal(outer, single(model, "sst", inputs))
+    finally:
+        handle.remove()
+    assert unchanged(model, before)
+
+
+def test_an_error_inside_a_mixed_forward_restores_the_base_bit_for_bit():
+    _, model = grafts("llama")
+    inputs, before = batch(), state(model)
+    calls = []
+
+    def failing(*_):
+        calls.append(None)
+        if len(calls) == 2:  # after the first group of a graft layer ran
+            raise RuntimeError("boom")
+
+    layer = model.base_model.graft_layers()["model.layers.1.mlp.up_proj"]
+    handle = layer.base_layer.register_forward_pre_hook(failing)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        model(**inputs, adapter_names=NAMES)
+    handle.remove()
+    assert unchanged(model, before)
+    assert model.base_model.__dict__.get("mixed_batch") is None and not WRITE_LOCK._is_owned()
+    with torch.no_grad():  # the model serves on as before
+        check_per_example(model, inputs, NAMES, model(**inputs, adapter_names=NAMES).logits)
+    assert threading.active_count() >= 1
