@@ -1,6 +1,6 @@
-"""MaskTrainer under FSDP2 through the Trainer's ``fsdp_config``: 2 CPU processes (gloo) shard the frozen model and learn
-the same S, mask and graft as 1 process on the same global batch; their checkpoints resume under FSDP2 and in one
-process. The runs are tests/ddp_mask_script.py with ``FSDP=1``."""
+"""MaskTrainer under FSDP2 through the Trainer's ``fsdp_config``: 2 CPU processes (gloo) shard the frozen model and
+learn the same S, mask and graft as 1 process on the same global batch; their checkpoints resume under FSDP2 and in
+one process. The runs are tests/ddp_mask_script.py with ``FSDP=1``."""
 
 from __future__ import annotations
 
