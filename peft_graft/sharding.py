@@ -27,7 +27,7 @@ def local_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(flat view of this process's entries, flat index of the first)``: the whole tensor and 0 when it is not
     sharded. Writing into the view writes into the parameter (or gradient)."""
     if not is_sharded(tensor):
-        return tensor.detach().view(-1), 0
+        return tensor.detach().reshape(-1), 0  # a view when contiguous (parameters and gradients are)
     from torch.distributed.tensor import Shard
 
     placements, mesh = tensor.placements, tensor.device_mesh
