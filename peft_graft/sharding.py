@@ -59,6 +59,24 @@ def read_entries(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return summed.to(bits.dtype).view(flat.dtype)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole, gathered from every process when FSDP2 shards it (a collective then)."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def write_entries(param: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` at flat ``indices`` of ``param`` (cast to its dtype), into this process's shard under FSDP2:
+    every process is given all of them and writes those it holds."""
+    flat, start = local_flat(param)
+    indices = indices.to(flat.device, torch.int64)
+    values = values.to(flat.device, flat.dtype)
+    if is_sharded(param):
+        held = (indices >= start) & (indices < start + flat.numel())
+        indices, values = indices[held] - start, values[held]
+    with torch.no_grad():
+        flat[indices] = values
+
+
 def graft_state_modules(model: nn.Module) -> list[nn.Module]:
     """The modules holding a graft's own state in ``model``: each graft layer's values and learning state (S), and the
     copies of heads stored whole (``modules_to_save``). Under FSDP2 they stay whole on every process (FSDP's ignored
