@@ -5,7 +5,8 @@ S) and OUTPUT_DIR/final (the hardened graft). SEARCH_FRACTION: ``GraftConfig.sea
 With the environment variable ``SELECT=1`` every step is evaluated on the training examples and the mask is selected
 with ``selection_alpha`` (the predictions are gathered from both processes); ``EVALUATE_FIRST=1`` evaluates before
 training (refused under DDP). ``FSDP=1``: under torchrun, shard the model with FSDP2 through the Trainer's
-``fsdp_config``; ``SAVE_STEPS``: checkpoint interval (default 2); ``RESUME``: a checkpoint to resume from.
+``fsdp_config``; ``FSDP=accelerate``: under ``accelerate launch`` with an FSDP2 config file. ``SAVE_STEPS``: the
+checkpoint interval (default 2); ``RESUME``: a checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SHARDING = (
 
 def main(output_dir: str, search_fraction: float | None) -> None:
     torch.set_num_threads(1)
-    if SHARDING:
+    if SHARDING or os.environ.get("FSDP") == "accelerate":  # "accelerate": FSDP2 from an accelerate config file
         allow_fsdp_on_cpu()
     pre, finetuned, task_type = make_pair("roberta_cls")
     config = GraftConfig(

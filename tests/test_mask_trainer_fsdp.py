@@ -1,6 +1,7 @@
 """MaskTrainer under FSDP2 through the Trainer's ``fsdp_config``: 2 CPU processes (gloo) shard the frozen model and
 learn the same S, mask and graft as 1 process on the same global batch; their checkpoints resume under FSDP2 and in
-one process. The runs are tests/ddp_mask_script.py with ``FSDP=1``."""
+one process, also under ``accelerate launch`` with examples/accelerate_fsdp2_mask.yaml. The runs are
+tests/ddp_mask_script.py with ``FSDP=1`` (or ``accelerate``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from testing_utils import TORCHRUN, run_command
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_mask_script.py")
+ACCELERATE_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_fsdp2_mask.yaml")
 
 
 def assert_same_scores(one, two) -> None:
@@ -46,9 +48,13 @@ def test_fsdp2_learns_the_mask_of_one_process_and_its_checkpoints_resume_anywher
         assert_same_graft(tmp_path / "one" / step, tmp_path / "two" / step)  # each checkpoint: its hard mask
     assert_same_graft(tmp_path / "one" / "final", tmp_path / "two" / "final")
 
-    # The FSDP2 checkpoint holds S whole: FSDP2 and one process resume from it to the same end.
+    # The FSDP2 checkpoint holds S whole: FSDP2 (started by accelerate launch with the example config file) and one
+    # process resume from it to the same end.
     monkeypatch.setenv("RESUME", str(tmp_path / "two" / "checkpoint-1"))
-    run_command([*TORCHRUN, SCRIPT, str(tmp_path / "two_resumed")], tmp_path)
+    monkeypatch.setenv("FSDP", "accelerate")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_CONFIG]
+    launch += ["--num_processes", "2", "--fsdp_transformer_layer_cls_to_wrap", "RobertaLayer"]
+    assert "sharded=True" in run_command([*launch, SCRIPT, str(tmp_path / "two_resumed")], tmp_path)
     monkeypatch.delenv("FSDP")
     run_command([sys.executable, SCRIPT, str(tmp_path / "one_resumed")], tmp_path)
     for resumed in ("two_resumed", "one_resumed"):
