@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from peft.utils.other import ModulesToSaveWrapper
 from safetensors.torch import load_file
-from testing_utils import TORCHRUN, run_command
+from testing_utils import TORCHRUN, cls_dataset, fast_args, learning_graft, run_command
+
+from peft_graft import GraftLayer, MaskTrainer
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_mask_script.py")
 ACCELERATE_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_fsdp2_mask.yaml")
@@ -77,3 +81,31 @@ def test_fsdp2_selects_the_mask_of_one_process_on_a_search_space(tmp_path, monke
     graft_two = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
     assert graft_one.keys() == graft_two.keys()
     assert all(torch.equal(graft_one[name], graft_two[name]) for name in graft_one)
+
+
+def test_other_sharding_engines_are_refused_and_fsdp2_ignores_the_graft_state(tmp_path):
+    """What MaskTrainer decides once the Trainer's accelerator knows the engine (an accelerate config file sets it
+    without any training argument): FSDP v1, DeepSpeed and cpu_ram_efficient_loading are clear errors; FSDP2 is
+    handed the graft's own modules (S, hard regions, heads stored whole) as ignored: it shards the frozen model only."""
+    _, model = learning_graft()
+    trainer = MaskTrainer(model=model, args=fast_args(tmp_path), train_dataset=cls_dataset())
+    assert trainer._sharded is False
+    trainer.is_deepspeed_enabled = True
+    with pytest.raises(ValueError, match="does not support DeepSpeed"):
+        trainer._prepare_sharding()
+    trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled = False, True
+    plugin = SimpleNamespace(fsdp_version=1, cpu_ram_efficient_loading=False, ignored_modules=None)
+    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    with pytest.raises(ValueError, match="does not support FSDP v1"):
+        trainer._prepare_sharding()
+    plugin.fsdp_version, plugin.cpu_ram_efficient_loading = 2, True
+    with pytest.raises(ValueError, match="cpu_ram_efficient_loading"):
+        trainer._prepare_sharding()
+    plugin.cpu_ram_efficient_loading = False
+    assert trainer._prepare_sharding() is True
+    ignored = {id(p) for module in plugin.ignored_modules for p in module.parameters()}
+    for name, param in model.named_parameters():
+        graft_state = "graft_" in name or ".modules_to_save." in name
+        assert (id(param) in ignored) == graft_state, name
+    assert any(isinstance(m, ModulesToSaveWrapper) for m in model.modules())  # the head stored whole is among them
+    assert all(m.learner("default").scores.requires_grad for m in model.modules() if isinstance(m, GraftLayer))
