@@ -1,6 +1,6 @@
 """Per-process peak memory of FSDP2 against DDP: plain fine-tuning and MaskTrainer, 2 CPU processes (gloo).
 
-    python benchmarks/bench_fsdp_memory.py --model llama-400m --steps 3   # benchmarks/figures/fsdp_memory.json
+    python benchmarks/bench_fsdp_memory.py --model llama-400m --steps 3  # figures/fsdp_memory_llama-400m.json
 
 Each variant runs under ``torchrun --nproc_per_node 2`` in its own processes, started through the Trainer as users do
 (``fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}``; without them the
@@ -198,9 +198,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--cache", default=DEFAULT_CACHE)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "figures" / "fsdp_memory.json"))
+    parser.add_argument("--out", help="results file (default: benchmarks/figures/fsdp_memory_<model>.json)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the worker processes
     args = parser.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "figures" / f"fsdp_memory_{args.model}.json")
     if args.variant:
         return worker(args)
     out = Path(args.out)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
-from ..sharding import read_entries
+from ..sharding import is_sharded, read_entries
 from .autograd import RecomputeSoftParameters
 from .entries import SparseEntries, check_entries, entries_of, graft_entries
 from .in_place import WRITE_LOCK, InPlacePlan, InPlaceWrite, suspended_writes, tensor_dict
@@ -647,7 +647,7 @@ def _sharding(base_layer: nn.Module, stored_attrs: list[str]) -> str | None:
     param = base_layer._parameters.get(stored_attrs[0])
     if not isinstance(param, nn.Parameter) or getattr(param, "_fsdp_flattened", False):
         return "FSDP v1"
-    if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+    if is_sharded(param):
         return "FSDP2"
     return None
 
