@@ -4,7 +4,9 @@ Usage: python tests/ddp_mask_script.py OUTPUT_DIR [CANDIDATES]. Writes OUTPUT_DI
 S) and OUTPUT_DIR/final (the hardened graft). SEARCH_FRACTION: ``GraftConfig.search_fraction`` (default: dense S).
 With the environment variable ``SELECT=1`` every step is evaluated on the training examples and the mask is selected
 with ``selection_alpha`` (the predictions are gathered from both processes); ``EVALUATE_FIRST=1`` evaluates before
-training (refused under DDP).
+training (refused under DDP). ``FSDP=1``: under torchrun, shard the model with FSDP2 through the Trainer's
+``fsdp_config``; ``FSDP=accelerate``: under ``accelerate launch`` with an FSDP2 config file. ``SAVE_STEPS``: the
+checkpoint interval (default 2); ``RESUME``: a checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from datasets import Dataset
 from peft import get_peft_model
-from testing_utils import VOCAB, clone_model, make_pair
+from testing_utils import VOCAB, allow_fsdp_on_cpu, clone_model, make_pair
 from torch import nn
 
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
@@ -33,10 +35,18 @@ SELECTION = (
     else {}
 )
 EVALUATION = {"compute_metrics": accuracy}
+# FSDP=1 under torchrun: the Trainer shards the model with FSDP2, one unit per RobertaLayer, as users configure it.
+SHARDING = (
+    dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["RobertaLayer"]})
+    if os.environ.get("FSDP") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    else {}
+)
 
 
 def main(output_dir: str, search_fraction: float | None) -> None:
     torch.set_num_threads(1)
+    if SHARDING or os.environ.get("FSDP") == "accelerate":  # "accelerate": FSDP2 from an accelerate config file
+        allow_fsdp_on_cpu()
     pre, finetuned, task_type = make_pair("roberta_cls")
     config = GraftConfig(
         finetuned=finetuned, region="empty", learn_region=True, task_type=task_type, search_fraction=search_fraction
@@ -55,24 +65,26 @@ def main(output_dir: str, search_fraction: float | None) -> None:
         max_steps=2,
         learning_rate=1e9,
         save_strategy="steps",
-        save_steps=2,
+        save_steps=int(os.environ.get("SAVE_STEPS", "2")),
         use_cpu=True,
         report_to=[],
         disable_tqdm=True,
         dataloader_pin_memory=False,
         seed=0,
         **SELECTION,
+        **SHARDING,
     )
     evaluation = {"eval_dataset": data, **EVALUATION} if SELECTION else {}
     trainer = MaskTrainer(model=model, args=args, train_dataset=data, **evaluation)
     if os.environ.get("EVALUATE_FIRST") == "1":
         trainer.evaluate(data)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.environ.get("RESUME") or None)
     assert not any(isinstance(m, GraftLayer) and m.is_learning("default") for m in model.modules())
     trainer.save_model(os.path.join(output_dir, "final"))
     if trainer.is_world_process_zero():
         accumulation = trainer.args.gradient_accumulation_steps
-        print(f"world_size={args.world_size} accumulation={accumulation} {trainer.mask_report}")
+        sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+        print(f"world_size={args.world_size} accumulation={accumulation} sharded={sharded} {trainer.mask_report}")
     if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads sometimes abort the process
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

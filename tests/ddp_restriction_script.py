@@ -1,5 +1,11 @@
-"""Run by tests/test_restriction.py under torchrun (2 CPU processes, gloo): a Trainer run restricted to stay out of a
-region; each process writes its final parameters and the frozen entries' check."""
+"""Run by tests/test_restriction.py under torchrun (2 CPU processes, gloo), or in 1 process: a Trainer run with AdamW,
+weight decay and clipping, restricted to stay out of a region; each process writes the final parameters (gathered
+whole under FSDP2) and the frozen entries' check.
+
+``FSDP=1``: under torchrun, the Trainer shards the model with FSDP2 (``fsdp_config``, one unit per BertLayer).
+``ALLOWED=1``: also restrict training to a sparse allowed region (whole for the LayerNorms and the classifier), so that
+both the copying path and the sparse path (weight decay by hand) run.
+"""
 
 import os
 import sys
@@ -7,32 +13,60 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from testing_utils import clone_model, cls_dataset, fast_args, make_pair, sparse_region
+from testing_utils import allow_fsdp_on_cpu, clone_model, cls_dataset, fast_args, make_pair, sparse_region
 from transformers import Trainer
 
-from peft_graft import RestrictTrainingCallback
+from peft_graft import Region, RestrictTrainingCallback
+
+SHARDING = (
+    dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]})
+    if os.environ.get("FSDP") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    else {}
+)
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if type(param).__name__ == "DTensor" else param).detach().clone().reshape(-1)
 
 
 def main(output_dir: str) -> None:
+    torch.set_num_threads(1)
+    if SHARDING:
+        allow_fsdp_on_cpu()
     pre, _, _ = make_pair("bert_cls")
     model = clone_model(pre)
+    for module in model.modules():  # no dropout: 1 and 2 processes then take the same steps
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     frozen = sparse_region(model, 0.05, seed=3)
+    allowed = None
+    if os.environ.get("ALLOWED") == "1":
+        allowed = sparse_region(model, 0.1, seed=5)
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name or "classifier" in name:
+                allowed = Region({**allowed, name: torch.arange(param.numel())})
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # a global batch of 8 examples per step on 1 or 2 processes
     before = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters()}
     args = fast_args(
         Path(output_dir),
-        max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=0.05,
-        weight_decay=0.1, max_grad_norm=0.5,
+        max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=4 // world_size, learning_rate=0.05,
+        weight_decay=0.1, max_grad_norm=0.5, **SHARDING,
     )  # fmt: skip
-    Trainer(
-        model=model, args=args, train_dataset=cls_dataset(n=24), callbacks=[RestrictTrainingCallback(frozen=frozen)]
-    ).train()
-    after = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters()}
+    callback = RestrictTrainingCallback(allowed=allowed, frozen=frozen)
+    Trainer(model=model, args=args, train_dataset=cls_dataset(n=24), callbacks=[callback]).train()
+    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    after = {n: whole(p) for n, p in model.named_parameters()}
     kept = all(torch.equal(before[n][frozen[n]], after[n][frozen[n]]) for n in before)
+    if allowed is not None:
+        outside = {n: torch.ones(before[n].numel(), dtype=torch.bool) for n in before}
+        for n in before:
+            outside[n][allowed[n]] = False
+        kept = kept and all(torch.equal(before[n][outside[n]], after[n][outside[n]]) for n in before)
     moved = sum(int((before[n] != after[n]).sum()) for n in before)
     rank = int(os.environ.get("RANK", 0))
     save_file(after, os.path.join(output_dir, f"params{rank}.safetensors"))
     with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as handle:
-        handle.write(f"world_size={args.world_size} kept={kept} moved={moved}")
+        handle.write(f"world_size={args.world_size} kept={kept} moved={moved} sharded={sharded}")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import bench_cost_growth as G  # noqa: E402
+import bench_fsdp_memory as F  # noqa: E402
 import bench_mask_step as B  # noqa: E402
 import bench_models as M  # noqa: E402
 
@@ -98,3 +99,17 @@ def test_cost_growth_tables_and_figure(tmp_path):
     assert table[2].startswith("| b | 100.0M | 1e-4 | 1.000 s | 1.100 s | 1.10x |") and "dense S" in table[-1]
     G.plot(data, tmp_path / "growth.png")
     assert (tmp_path / "growth.png").stat().st_size > 10_000
+
+
+def test_fsdp_memory_summary_projects_per_gpu_bytes_from_the_measured_state():
+    """2 B/param of bf16 weights divided among 8 GPUs under FSDP2 (whole under DDP), plus the graft's state per
+    parameter as measured (kept whole on every process)."""
+    rank = {"parameters": 1000, "rss_after_load_gb": 1.0, "rss_prepared_gb": 0.8, "step_peak_gb": 1.5, "step_s": 2.0}
+    results = {"variants": {}}
+    for variant, graft_bytes in (("fsdp-mask-0.01", 200), ("ddp-mask-0.01", 200), ("fsdp-plain", 0)):
+        ranks = [{**rank, "kept_bytes": {"graft_state": graft_bytes}}, {**rank, "kept_bytes": {"graft_state": 100}}]
+        results["variants"][variant] = {"ranks": ranks}
+    fsdp, ddp, plain = F.summary(results)
+    assert "step peak 1.50 GiB (+0.50)" in fsdp and "graft state 0.20 B/param" in fsdp
+    assert f"70B {70e9 * (2 / 8 + 0.2) / 2**30:.1f} GiB" in fsdp and f"8B {8e9 * (2 + 0.2) / 2**30:.1f} GiB" in ddp
+    assert "on 8 GPUs" not in plain

@@ -3,10 +3,24 @@ resumes, bad input is a clear error."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
-from testing_utils import clone_model, cls_dataset, fast_args, finetune_like, input_ids, make_pair, sparse_region
+from safetensors.torch import load_file
+from testing_utils import (
+    TORCHRUN,
+    clone_model,
+    cls_dataset,
+    fast_args,
+    finetune_like,
+    input_ids,
+    make_pair,
+    run_command,
+    sparse_region,
+)
 from transformers import Trainer, TrainingArguments
 
 from peft_graft import ContinualGrafter, GraftConfig, Region, RestrictTrainingCallback
@@ -281,3 +295,36 @@ def test_a_change_outside_every_region_is_caught_by_the_fingerprint(pre):
         learner.finish_task()
     with pytest.raises(ValueError, match="cannot be rolled back"):
         learner.abort_task()
+
+
+@pytest.mark.multiprocess
+def test_two_tasks_under_fsdp2_learn_what_one_process_learns(tmp_path, monkeypatch):
+    """Both tasks trained by Trainers sharding the model with FSDP2 (2 processes): the saved learner holds the regions
+    and theta_pre of one process bit for bit and its trained values and heads to fp32 rounding; it resumes in one
+    process, whose task adapters predict as the one-process learner's. Copying the sharded model is refused."""
+    script = os.path.join(os.path.dirname(__file__), "continual_script.py")
+    (tmp_path / "one").mkdir()
+    run_command([sys.executable, script, str(tmp_path / "one")], tmp_path)
+    monkeypatch.setenv("FSDP", "1")
+    (tmp_path / "two").mkdir()
+    run_command([*TORCHRUN, script, str(tmp_path / "two")], tmp_path)
+    assert (tmp_path / "one" / "rank0.txt").read_text() == "sharded=False tasks=first,second to_peft_model=built"
+    for rank in (0, 1):
+        assert (tmp_path / "two" / f"rank{rank}.txt").read_text() == (
+            "sharded=True tasks=first,second to_peft_model=refused"
+        )
+    one = load_file(tmp_path / "one" / "learner" / continual.STATE_NAME)
+    two = load_file(tmp_path / "two" / "learner" / continual.STATE_NAME)
+    assert one.keys() == two.keys()
+    for key in one:
+        if "/region/" in key or "/pretrained/" in key:
+            assert torch.equal(one[key], two[key]), key
+        else:
+            torch.testing.assert_close(one[key], two[key], rtol=1e-5, atol=1e-6)
+    pre = make_pair("bert_cls")[0]
+    grafts = [
+        ContinualGrafter.from_pretrained(tmp_path / run / "learner", clone_model(pre)).to_peft_model()
+        for run in ("one", "two")
+    ]
+    for task in ("first", "second"):
+        torch.testing.assert_close(predictions(grafts[1], task), predictions(grafts[0], task), rtol=1e-5, atol=1e-5)

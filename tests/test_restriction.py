@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -211,10 +212,34 @@ def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
         tmp_path,
     )
     for rank in (0, 1):
-        world, kept, moved = (tmp_path / f"rank{rank}.txt").read_text().split()
+        world, kept, moved, _ = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert world == "world_size=2" and kept == "kept=True" and int(moved.split("=")[1]) > 0
     first, second = load_file(tmp_path / "params0.safetensors"), load_file(tmp_path / "params1.safetensors")
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_keeps_disallowed_entries_on_every_shard_and_trains_as_one_process(tmp_path, monkeypatch):
+    """A Trainer run sharded by FSDP2 (DTensor parameters; the hooks see each process's reduced shard) under AdamW with
+    weight decay and clipping: entries outside the allowed region and inside the frozen one stay bit-identical, and
+    the gathered model is the one-process model to fp32 rounding, through the copying and the sparse path."""
+    script = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
+    monkeypatch.setenv("ALLOWED", "1")
+    (tmp_path / "one").mkdir()
+    run_command([sys.executable, script, str(tmp_path / "one")], tmp_path)
+    monkeypatch.setenv("FSDP", "1")
+    (tmp_path / "two").mkdir()
+    run_command([*TORCHRUN, script, str(tmp_path / "two")], tmp_path)
+    single = (tmp_path / "one" / "rank0.txt").read_text().split()
+    assert single[0] == "world_size=1" and single[1] == "kept=True" and int(single[2].split("=")[1]) > 0
+    expected = load_file(tmp_path / "one" / "params0.safetensors")
+    for rank in (0, 1):
+        world, kept, moved, sharded = (tmp_path / "two" / f"rank{rank}.txt").read_text().split()
+        assert (world, kept, sharded) == ("world_size=2", "kept=True", "sharded=True")
+        assert int(moved.split("=")[1]) > 0
+        params = load_file(tmp_path / "two" / f"params{rank}.safetensors")
+        for name in expected:
+            torch.testing.assert_close(params[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_clipping_sees_only_allowed_gradients():

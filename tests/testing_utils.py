@@ -180,6 +180,23 @@ def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def allow_fsdp_on_cpu() -> None:
+    """Let accelerate take its FSDP path on CPU processes (gloo), as it does on GPUs: it enables the FSDP plugin only
+    for accelerator devices, while ``fully_shard`` itself runs on CPU. The Trainer's own FSDP2 code (accelerate's
+    ``fsdp2_prepare_model``, its checkpointing and gradient handling) then runs in the multi-process tests."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    AcceleratorState.__init__ = __init__
+
+
 def run_command(command: list[str], cwd) -> str:
     """Run ``command`` (e.g. ``[*TORCHRUN, script, ...]``) on CPU threads only; its stdout, or a failed assertion."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -32,6 +32,7 @@ from .._checksum import CONFIG_NAME
 from ..parameter_layout import FlatIndexSpace, build_layout
 from ..regions import Region
 from ..regions.region import saved_region
+from ..sharding import is_sharded, read_entries, whole, write_entries
 from ..tuner import GraftConfig
 from ..tuner.model import check_adapter_name
 
@@ -97,7 +98,6 @@ class ContinualGrafter:
         for name, param in model.named_parameters(remove_duplicate=False):
             self._canonical[name] = first_name.setdefault(id(param), name)
             aliases.setdefault(id(param), []).append(name)
-        self._params = dict(model.named_parameters())
         self._head_params: list[str] = []
         for head in self.heads:
             try:
@@ -118,6 +118,13 @@ class ContinualGrafter:
         self._broken: str | None = None
         self.pretrained_head = self._head_state()
         self.base_fingerprint = self._fingerprint()
+
+    @property
+    def _params(self) -> dict[str, nn.Parameter]:
+        """The model's parameters by first name, looked up afresh: FSDP2 replaces them by sharded ones when a Trainer
+        shards the model (every read and write below then works on each process's shard, see
+        :mod:`peft_graft.sharding`)."""
+        return dict(self.model.named_parameters())
 
     # ------------------------------------------------------------------------------------------ regions
     @property
@@ -214,34 +221,34 @@ class ContinualGrafter:
 
     def _values_at(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """The model's current values of tensor ``name`` at flat ``indices``, as a CPU copy."""
-        param = self._params[name]
-        return param.detach().reshape(-1)[indices.to(param.device)].cpu()
+        return read_entries(self._params[name], indices).cpu()
 
     def _tasks_and_running(self) -> list[ContinualTask]:
         return self.tasks + ([self._running["task"]] if self._running else [])
 
     def _head_state(self) -> dict[str, torch.Tensor]:
-        return {name: self._params[name].detach().cpu().clone() for name in self._head_params}
+        params = self._params
+        return {name: whole(params[name]).detach().cpu().clone() for name in self._head_params}
 
     def _load_head(self, head: Mapping[str, torch.Tensor], what: str) -> None:
         missing = sorted(set(self._head_params) - set(head))
         if missing:
             raise ValueError(f"{what} has no values for the head tensors {missing}.")
+        params = self._params
         for name in self._head_params:  # every shape checked before any value is written
-            param, value = self._params[name], head[name]
+            param, value = params[name], head[name]
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{what}: head tensor {name!r} has shape {tuple(value.shape)}, the model's {tuple(param.shape)}."
                 )
-        with torch.no_grad():
-            for name in self._head_params:
-                self._params[name].copy_(head[name])
+        for name in self._head_params:
+            param = params[name]
+            write_entries(param, torch.arange(param.numel()), head[name].reshape(-1))
 
     def _write(self, task: ContinualTask, values: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, indices in task.trained.items():
-                param = self._params[name]
-                param.view(-1)[indices.to(param.device)] = values[name].to(param.device, param.dtype)
+        params = self._params
+        for name, indices in task.trained.items():
+            write_entries(params[name], indices, values[name])
 
     def _fingerprint(self) -> str:
         """sha256 of theta_pre outside the heads: the model's values with every trained entry restored."""
@@ -253,7 +260,7 @@ class ContinualGrafter:
         for name, param in self._params.items():
             if name in self._head_params:
                 continue
-            value = param.detach().cpu()
+            value = whole(param).detach().cpu()
             if name in restore:
                 value = value.clone().reshape(-1)
                 for task in restore[name]:
@@ -365,9 +372,18 @@ class ContinualGrafter:
         if self._running is not None:
             raise ValueError(f"Task {self._running['task'].name!r} is running: finish_task() before {what}.")
 
+    def _check_whole(self, what: str) -> None:
+        if any(is_sharded(param) for param in self.model.parameters()):
+            raise ValueError(
+                f"{what} copies the whole continual model, which FSDP2 shards: save_pretrained() the learner (from "
+                "rank 0), then in one process ContinualGrafter.from_pretrained(path, <pre-trained model>) and call "
+                f"{what} there."
+            )
+
     def pretrained_model(self) -> nn.Module:
         """A copy of theta_pre (in eval mode): the continual model with every trained entry and the heads restored."""
         self._check_idle("pretrained_model()")
+        self._check_whole("pretrained_model()")
         model = copy.deepcopy(self.model).eval()
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -382,6 +398,7 @@ class ContinualGrafter:
         """The ``GraftConfig`` of task ``name``'s inference graft: the continual values on ``gamma_1 | ... | gamma_i``
         and the task's head, for ``get_peft_model(theta_pre, config)`` or ``add_adapter``."""
         self._check_idle("task_config()")
+        self._check_whole("task_config()")
         task = self._task(name)
         finetuned = dict(self.model.state_dict())
         for alias, canonical in self._canonical.items():

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -29,6 +30,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from ..parameter_layout import NO_ENTRIES, build_layout
+from ..sharding import graft_state_modules
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
 from .losses import LossTermsTrainer
@@ -174,18 +176,16 @@ class MaskTrainer(LossTermsTrainer):
                 f"args must be MaskTrainingArguments (the paper's defaults and the mask fields), got "
                 f"{type(args).__name__}: use MaskTrainingArguments(output_dir=..., ...)."
             )
-        if args.fsdp:
-            raise ValueError(
-                "MaskTrainer does not support FSDP (fsdp is set in the training arguments): hardening, the hard-mask "
-                "evaluation and the saved scores read S whole on each rank, which FSDP would shard, and this path has "
-                "never been run. Use DDP instead (torchrun or accelerate launch without fsdp), which keeps S, its "
-                "gradient and theta_ft - theta_pre whole on each rank."
-            )
+        if args.fsdp and (args.fsdp_plugin_args or {}).get("fsdp_version", 2) != 2:
+            _refuse_engine("FSDP v1 (fsdp_config version 1)")
+        if args.deepspeed:
+            _refuse_engine("DeepSpeed")
         args = copy.copy(args)  # the derived gradient_accumulation_steps is this trainer's, not the caller's
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
             param.requires_grad_(f"graft_learning.{adapter_name}.scores" in name)
         super().__init__(model=model, args=args, **kwargs)
+        self._sharded = self._prepare_sharding()
         # Each micro-batch loss is taken as a mean and divided by the accumulation steps, so that a step's gradient is
         # that of the mean loss over the global batch on any number of processes (many heads, e.g. sequence
         # classification, ignore the num_items_in_batch the Trainer would otherwise rely on).
@@ -214,6 +214,67 @@ class MaskTrainer(LossTermsTrainer):
             )
         self._fingerprint: str | None = None
         self.add_callback(_StartingMaskEvaluation(self))
+
+    # ------------------------------------------------------------------------------------------ FSDP2
+    def _prepare_sharding(self) -> bool:
+        """Whether this run shards the model with FSDP2 (Trainer ``fsdp``/``fsdp_config`` or an accelerate config).
+
+        FSDP2 then shards the frozen model; the graft's own state (S, the hard regions, heads stored whole) stays whole
+        on every process as FSDP's ignored parameters, as under DDP: S's gradient is averaged over the processes once
+        per step (:meth:`_average_score_gradients`), and hardening, evaluation and saving read S as one process does.
+        Other engines are refused with a clear error."""
+        if self.is_deepspeed_enabled:
+            _refuse_engine("DeepSpeed")
+        if not self.is_fsdp_enabled:
+            return False
+        plugin = self.accelerator.state.fsdp_plugin
+        if plugin.fsdp_version != 2:
+            _refuse_engine("FSDP v1 (fsdp_version 1 in the accelerate config)")
+        if plugin.cpu_ram_efficient_loading:
+            raise ValueError(
+                "MaskTrainer under FSDP2 needs cpu_ram_efficient_loading off: the graft (theta_pre, S, the movement) "
+                "is built on every process before the Trainer shards the model: there is nothing to load from rank 0. "
+                "Set fsdp_config['cpu_ram_efficient_loading'] = False (fsdp_cpu_ram_efficient_loading: false)."
+            )
+        graft_state = graft_state_modules(self.model)
+        for module in graft_state:
+            module.to(self.args.device)  # FSDP moves only what it shards
+        ignored = plugin.ignored_modules or []
+        if isinstance(ignored, str):  # accelerate's regex over module names
+            ignored = [module for name, module in self.model.named_modules() if re.fullmatch(ignored, name)]
+        plugin.ignored_modules = [*ignored, *graft_state]
+        return True
+
+    def _average_score_gradients(self) -> list[Any]:
+        """Under FSDP2: hooks averaging each S gradient over the processes once it holds a whole step's gradient (the
+        last micro-batch of an accumulation), before clipping and the optimizer see it, as DDP does."""
+        world_size, accelerator = self.args.world_size, self.accelerator
+
+        def average(scores: torch.Tensor) -> None:
+            if accelerator.sync_gradients:
+                torch.distributed.all_reduce(scores.grad)
+                scores.grad.div_(world_size)
+
+        return [
+            learner.scores.register_post_accumulate_grad_hook(average) for learner in self.region_learners().values()
+        ]
+
+    @contextmanager
+    def _plain_optimizer_checkpoint(self) -> Iterator[None]:
+        """The optimizer of S is not FSDP's (S is not sharded): save and load its state as one process does."""
+        fsdp, self.is_fsdp_enabled = self.is_fsdp_enabled, False
+        try:
+            yield
+        finally:
+            self.is_fsdp_enabled = fsdp
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        with self._plain_optimizer_checkpoint():
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        with self._plain_optimizer_checkpoint():
+            super()._load_optimizer_and_scheduler(checkpoint)
 
     # ------------------------------------------------------------------------------------------ mask state
     def region_learners(self) -> dict[str, RegionLearner]:
@@ -324,6 +385,7 @@ class MaskTrainer(LossTermsTrainer):
         alpha = self.args.selection_alpha
         if self._tracking_best and alpha is not None:
             self._selection = SignificantSelection(alpha, self.args.greater_is_better)
+        hooks = self._average_score_gradients() if self._sharded else []
         try:  # with _tracking_best, _StartingMaskEvaluation evaluates gamma_base first
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
             if self._selection is not None:
@@ -331,6 +393,8 @@ class MaskTrainer(LossTermsTrainer):
         finally:
             self._tracking_best = False
             self._selection = None
+            for hook in hooks:
+                hook.remove()
         if self.args.num_entries is not None and self.args.num_entries > self._num_moved:
             raise ValueError(
                 f"num_entries={self.args.num_entries} exceeds the {self._num_moved} entries fine-tuning moved: lower "
@@ -519,9 +583,19 @@ class MaskTrainer(LossTermsTrainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._sharded:
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)  # the graft is whole on every process: FSDP need not gather the model
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """A loadable sparse graft (the mask evaluation measures); while learning, S rides along for resuming."""
         with self.hard_mask():
+            if self._sharded and not self.args.should_save:  # join the collectives reading theta_pre at the entries
+                get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
             super()._save(output_dir, state_dict)
         if not self.args.should_save:  # transformers calls _save on every rank; one writes (others: no folder yet)
             return
@@ -562,6 +636,14 @@ class _StartingMaskEvaluation(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer._tracking_best:
             self.trainer.evaluate_starting_mask()
+
+
+def _refuse_engine(engine: str) -> None:
+    raise ValueError(
+        f"MaskTrainer does not support {engine}: it shards parameters into flat buffers that the graft layers do not "
+        "see, so the soft graft would not apply. Use FSDP2 (Trainer fsdp=True with fsdp_config={'version': 2}, or an "
+        "accelerate config with fsdp_version: 2), which shards the frozen model, or DDP; see docs/fsdp.md."
+    )
 
 
 def _check_selection_setup(args: MaskTrainingArguments, eval_dataset: Any) -> None:

@@ -22,6 +22,9 @@ enough (AdamW's decoupled weight decay and earlier momentum move entries with a 
   unscaled the gradients, and not at all on a step the scaler skips for inf/NaN gradients). Any other optimizer, or
   optimizer state that is not zero outside the allowed entries (the optimizer stepped before the restriction began),
   takes the copy above.
+
+Under FSDP2 (``fully_shard``) each process restricts the shard of every parameter it holds, with indices local to it;
+FSDP2 runs the gradient hooks on each reduced shard, before clipping and the step.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from transformers import TrainerCallback
 
 from ..parameter_layout import PEFT_PREFIX, peft_free_name
 from ..regions import Region
+from ..sharding import is_sharded, local_flat
 
 
 @dataclass
@@ -104,21 +108,24 @@ class TrainingRestriction:
             if not param.requires_grad:
                 continue
             mask = self._disallowed(param, sorted(names_of[key]), allowed, frozen)
+            if mask is not None:  # under FSDP2, this process's shard of the parameter: its indices are local
+                local, start = local_flat(param)
+                mask = mask[start : start + local.numel()]
             if mask is None or not mask.any():
                 continue  # free: nothing to restrict
             num_disallowed = int(mask.sum())
             if num_disallowed == mask.numel():
                 entry = _Restricted(param, None)
             elif num_disallowed <= mask.numel() // 2:
-                entry = _Restricted(param, mask.reshape(-1).nonzero().reshape(-1))
+                entry = _Restricted(param, mask.nonzero().reshape(-1))
             else:
-                entry = _Restricted(param, (~mask).reshape(-1).nonzero().reshape(-1), inside_allowed=True)
+                entry = _Restricted(param, (~mask).nonzero().reshape(-1), inside_allowed=True)
             self.restricted.append(entry)
             self._hooks.append(param.register_post_accumulate_grad_hook(_zeroing_hook(entry)))
 
     @staticmethod
     def _disallowed(param, names, allowed, frozen) -> torch.Tensor | None:
-        """Boolean mask of the entries of ``param`` that may not change, or ``None`` if all may."""
+        """Flat boolean mask of the entries of ``param`` that may not change, or ``None`` if all may."""
         numel = param.numel()
         disallowed = None
         if allowed is not None:
@@ -151,7 +158,7 @@ class TrainingRestriction:
             self._decay_by_hand(optimizer, sparse)
         skipped = {id(e) for e in sparse}
         for entry in self.restricted:
-            flat = entry.param.detach().reshape(-1)
+            flat = local_flat(entry.param)[0]
             if entry.indices is None:
                 entry.param.grad = None
             elif id(entry) in skipped:
@@ -187,13 +194,13 @@ class TrainingRestriction:
         with torch.no_grad():
             for param, idx, group, decoupled in self._decays:
                 decay, lr = group["weight_decay"], group["lr"]
+                flat = local_flat(param)[0]  # under FSDP2, this process's shard (idx is local to it)
                 if decoupled:
-                    flat = param.view(-1)
                     flat[idx] = flat[idx].mul_(1 - lr * decay)
                 else:
-                    grad = param.grad.view(-1)
+                    grad = local_flat(param.grad)[0]
                     self._grads_before.append((grad, idx, grad[idx].clone()))
-                    grad[idx] = grad[idx].add_(param.view(-1)[idx], alpha=decay)
+                    grad[idx] = grad[idx].add_(flat[idx], alpha=decay)
         self._decays = []
 
     def after_step(self) -> None:
@@ -212,7 +219,7 @@ class TrainingRestriction:
             for entry in self.restricted:
                 if entry.saved is None:
                     continue
-                flat = entry.param.view(-1)
+                flat = local_flat(entry.param)[0]
                 if entry.inside_allowed:  # keep the stepped allowed entries, restore everything else
                     stepped = flat[entry.indices]
                     flat.copy_(entry.saved)
@@ -290,13 +297,10 @@ def _zero_update_outside(entry: _Restricted, optimizer) -> bool:
         return False  # (Adam with eps=0 divides 0 by 0 where the gradient and state are zero)
     key = id(optimizer)
     if key not in entry.zero_state:
-        state, numel = optimizer.state.get(entry.param, {}), entry.param.numel()
+        state, shape = optimizer.state.get(entry.param, {}), entry.param.shape
         allowed = entry.indices.to(entry.param.device)
-        entry.zero_state[key] = all(
-            int(v.count_nonzero()) == int(v.reshape(-1)[allowed].count_nonzero())
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and v.numel() == numel
-        )
+        local = [local_flat(v)[0] for v in state.values() if isinstance(v, torch.Tensor) and v.shape == shape]
+        entry.zero_state[key] = all(int(v.count_nonzero()) == int(v[allowed].count_nonzero()) for v in local)
     return entry.zero_state[key]
 
 
@@ -304,9 +308,9 @@ def _zeroing_hook(entry: _Restricted):
     """A hook run once a gradient is accumulated into ``param.grad``: zero its disallowed entries there, in place."""
 
     def zero_disallowed(param: torch.Tensor) -> None:
-        if not param.grad.is_contiguous():
+        if not is_sharded(param.grad) and not param.grad.is_contiguous():
             param.grad = param.grad.contiguous()
-        flat = param.grad.view(-1)
+        flat = local_flat(param.grad)[0]  # under FSDP2 the hook runs on this process's reduced shard
         if entry.indices is None:
             flat.zero_()
         elif entry.inside_allowed:

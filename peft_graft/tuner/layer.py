@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
+from ..sharding import is_sharded, read_entries
 from .autograd import RecomputeSoftParameters
 from .entries import SparseEntries, check_entries, entries_of, graft_entries
 from .in_place import (
@@ -259,17 +260,18 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return self.graft_learning[adapter_name].soft_parameters(self.base_layer, recomputing)
 
     def base_values(self, indices: torch.Tensor) -> torch.Tensor:
-        """Current values of the stored tensors at flat ``indices`` (as fp32)."""
+        """Current values of the stored tensors at flat ``indices`` (as fp32); a collective when FSDP2 shards them
+        (:func:`~peft_graft.sharding.read_entries`)."""
         out = torch.empty(indices.numel(), dtype=torch.float32)
         for attr, local, position in self.space.split(indices):
-            out[position] = getattr(self.base_layer, attr).detach().reshape(-1)[local.to(torch.int64)].float().cpu()
+            out[position] = read_entries(getattr(self.base_layer, attr), local).float().cpu()
         return out
 
     def base_checksum(self, indices: torch.Tensor) -> str:
         """A checksum of the stored tensors' current values at sorted flat ``indices``, bit for bit in their dtype."""
         digest = hashlib.sha256()
         for attr, local, _ in self.space.split(indices):
-            values = getattr(self.base_layer, attr).detach().reshape(-1)[local.to(torch.int64)]
+            values = read_entries(getattr(self.base_layer, attr), local)
             digest.update(values.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:16]
 
@@ -687,7 +689,7 @@ def _sharding(base_layer: nn.Module, stored_attrs: list[str]) -> str | None:
     param = base_layer._parameters.get(stored_attrs[0])
     if not isinstance(param, nn.Parameter) or getattr(param, "_fsdp_flattened", False):
         return "FSDP v1"
-    if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+    if is_sharded(param):
         return "FSDP2"
     return None
 

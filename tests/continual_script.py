@@ -1,0 +1,69 @@
+"""Run by tests/test_continual.py in 1 process, or under torchrun (2 CPU processes, gloo) with ``FSDP=1``: the Trainer
+then shards the model with FSDP2 (``fsdp_config``). A ContinualGrafter learns two tasks with a head under
+RestrictTrainingCallback (AdamW, weight decay, clipping, a global batch of 8, no dropout); rank 0 saves the learner to
+OUTPUT_DIR/learner, each process writes OUTPUT_DIR/rank<r>.txt."""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from testing_utils import allow_fsdp_on_cpu, clone_model, cls_dataset, fast_args, make_pair, sparse_region
+from transformers import Trainer
+
+from peft_graft import ContinualGrafter, Region, RestrictTrainingCallback
+
+FSDP = os.environ.get("FSDP") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def sharding(first_task: bool) -> dict:
+    """The Trainer's FSDP2 settings: the first task's Trainer shards the model, one unit per BertLayer; later tasks
+    train the model already sharded (NO_WRAP: accelerate would look the layer class up by name, and FSDP2 renamed it
+    FSDPBertLayer)."""
+    if not FSDP:
+        return {}
+    wrap = {"transformer_layer_cls_to_wrap": ["BertLayer"]} if first_task else {"auto_wrap_policy": "NO_WRAP"}
+    return dict(fsdp=True, fsdp_config={"version": 2, **wrap})
+
+
+def body_region(model, fraction: float, seed: int) -> Region:
+    region = sparse_region(model, fraction, seed)
+    return Region({n: idx for n, idx in region.items() if not n.startswith("classifier")})
+
+
+def main(output_dir: str) -> None:
+    torch.set_num_threads(1)
+    if FSDP:
+        allow_fsdp_on_cpu()
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    model = clone_model(make_pair("bert_cls")[0])
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    learner = ContinualGrafter(model, heads=["classifier"])
+    for seed, name in enumerate(("first", "second")):
+        args = fast_args(
+            Path(output_dir), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=4 // world_size,
+            learning_rate=0.05, weight_decay=0.1, max_grad_norm=0.5, **sharding(first_task=seed == 0),
+        )  # fmt: skip
+        with learner.task(name, body_region(model, 0.1, seed=seed)) as allowed:
+            callback = RestrictTrainingCallback(allowed=allowed)
+            data = cls_dataset(n=16, seed=seed)
+            Trainer(model=learner.model, args=args, train_dataset=data, callbacks=[callback]).train()
+    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    try:
+        learner.to_peft_model()
+        whole = "built"
+    except ValueError as error:
+        whole = "refused" if "which FSDP2 shards" in str(error) else str(error)
+    if rank == 0:
+        learner.save_pretrained(os.path.join(output_dir, "learner"))
+    with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as handle:
+        handle.write(f"sharded={sharded} tasks={','.join(learner.task_names)} to_peft_model={whole}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
