@@ -1,0 +1,408 @@
+"""Merging several task grafts of one base model into one graft, with a head per task.
+
+:func:`merge_grafts` builds one merged *body* adapter by a named rule:
+
+* ``"stitch"`` (Localize-and-Stitch, He et al., TMLR 2024): the union of the grafts' regions, each entry the average
+  of the grafts that hold it (:meth:`GraftModel.add_combined_adapter`'s ``"average"``).
+* ``"stitch_dataless"``: the same on each task's top ``density`` of ``|tau|`` (L&S's dataless variant).
+* ``"task_arithmetic"``, ``"ties"``, ``"dare_ties"``, ``"dare_linear"``: peft's :mod:`peft.utils.merge_utils`
+  functions on the task vectors ``tau_t`` (a graft's stored deltas, 0 off its region), with ``weights`` (the scaling
+  ``lambda``, one number or one per graft) and ``density``.
+
+peft applies these functions tensor by tensor (to one LoRA delta at a time); here they get each task's *whole* task
+vector at once, flattened over the union of the grafts' entries, so that TIES's magnitude trim keeps the top
+``density`` of the task vector (as the TIES and DARE papers do), not of each tensor; DARE's random drops are per
+entry either way. ``density`` is therefore a fraction of that union (with full grafts: every entry fine-tuning moved).
+The averaging of ``stitch`` has no peft counterpart (``disjoint_merge`` averages only entries of the elected sign).
+A merged graft stores the entries its rule changed: the global rules on full task vectors change almost every moved
+entry, so their merged graft is about as large as one full fine-tune's (see :attr:`MergedGraft.nbytes`).
+
+Each task keeps its own head (the grafts' ``modules_to_save``, stored whole): :meth:`MergedGraft.use_task` writes one
+into the merged adapter's copy. The merged adapter saves, loads, merges and serves like any graft; the heads are saved
+beside it (:meth:`MergedGraft.save_pretrained`, :meth:`MergedGraft.from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from peft.utils import merge_utils
+from peft.utils.other import ModulesToSaveWrapper
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .parameter_layout import build_layout
+from .regions import Region
+from .tuner.layer import GraftLayer
+from .tuner.model import GraftModel, _combine, _exact_after_combining, _record_layout, check_adapter_name
+
+MERGE_RULES = ("stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear")
+DENSITY_RULES = ("stitch_dataless", "ties", "dare_ties", "dare_linear")
+WEIGHTED_RULES = ("task_arithmetic", "ties", "dare_ties", "dare_linear")
+HEADS_FILE = "task_heads.safetensors"
+
+
+@dataclass
+class MergedGraft:
+    """A merged body adapter ``adapter_name`` of ``model`` and each task's head (``heads[task][tensor name]``)."""
+
+    model: PeftModel
+    adapter_name: str
+    rule: str
+    heads: dict[str, dict[str, torch.Tensor]]
+    options: dict = field(default_factory=dict)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.heads)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries the merged body grafts (changes from theta_pre)."""
+        return self.model.get_region(self.adapter_name).num_entries
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        """Storage: the merged body (indices, fp32 values, exact entries) and the heads of all tasks, in bytes."""
+        body = 0
+        for layer in _graft_layers(self.model).values():
+            for container in (layer.graft_indices, layer.graft_values, layer.graft_exact_positions,
+                              layer.graft_exact_values):  # fmt: skip
+                if self.adapter_name in container:
+                    tensor = container[self.adapter_name]
+                    body += tensor.numel() * tensor.element_size()
+        heads = sum(t.numel() * t.element_size() for head in self.heads.values() for t in head.values())
+        return {"body": body, "heads": heads, "total": body + heads}
+
+    def use_task(self, task: str) -> None:
+        """Activate the merged adapter with ``task``'s head."""
+        if task not in self.heads:
+            raise ValueError(f"No head for task {task!r}; this merge has {self.tasks}.")
+        copies = _head_copies(self.model, self.adapter_name)
+        with torch.no_grad():
+            for name, tensor in self.heads[task].items():
+                copies[name].copy_(tensor)
+        self.model.set_adapter(self.adapter_name)
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Save the merged adapter (peft's ``save_pretrained``) and the task heads beside it; returns its folder."""
+        self.model.save_pretrained(str(save_directory), selected_adapters=[self.adapter_name])
+        folder = Path(save_directory) if self.adapter_name == "default" else Path(save_directory) / self.adapter_name
+        tensors = {f"{task}/{name}": t.detach().cpu().contiguous() for task, head in self.heads.items()
+                   for name, t in head.items()}  # fmt: skip
+        metadata = {"rule": self.rule, "tasks": json.dumps(self.tasks), "options": json.dumps(self.options)}
+        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
+            temporary = handle.name
+        try:
+            save_file(tensors, temporary, metadata=metadata)
+            os.replace(temporary, folder / HEADS_FILE)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        return folder
+
+    @classmethod
+    def from_pretrained(
+        cls, model: nn.Module, path: str | os.PathLike, adapter_name: str = "merged", **kwargs
+    ) -> MergedGraft:
+        """Load a merged graft saved by :meth:`save_pretrained` onto ``model`` (a base model or a graft PeftModel)."""
+        heads_path = Path(path) / HEADS_FILE
+        if not heads_path.is_file():
+            raise ValueError(f"{str(path)!r} holds no {HEADS_FILE}: it is not a merged graft saved by MergedGraft.")
+        with safe_open(str(heads_path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tasks = json.loads(metadata.get("tasks", "[]"))
+            heads: dict[str, dict[str, torch.Tensor]] = {task: {} for task in tasks}
+            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                task, _, name = key.partition("/")
+                if task not in heads:
+                    raise ValueError(f"{heads_path}: tensor {key!r} names no task of {tasks}: the file is corrupt.")
+                heads[task][name] = handle.get_tensor(key)
+        if isinstance(model, PeftModel):
+            model.load_adapter(str(path), adapter_name, **kwargs)
+        else:
+            model = PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, **kwargs)
+        merged = cls(model, adapter_name, metadata.get("rule", ""), heads, json.loads(metadata.get("options", "{}")))
+        copies = _head_copies(model, adapter_name)
+        for task, head in heads.items():
+            if set(head) != set(copies) or any(head[n].shape != copies[n].shape for n in head):
+                model.delete_adapter(adapter_name)
+                raise ValueError(f"{heads_path}: the head of task {task!r} does not match the adapter's heads "
+                                 f"{sorted(copies)}: the file is corrupt or from another model.")  # fmt: skip
+        return merged
+
+
+def merge_grafts(
+    model: PeftModel,
+    grafts: Mapping[str, str] | Sequence[str],
+    rule: str,
+    adapter_name: str = "merged",
+    *,
+    weights: float | Sequence[float] | None = None,
+    density: float | None = None,
+    majority_sign_method: str = "total",
+    seed: int = 0,
+    exclude: Region | None = None,
+) -> MergedGraft:
+    """Merge task grafts of ``model``'s base into one new graft adapter ``adapter_name`` by ``rule``.
+
+    Args:
+        model: A ``PeftModel`` of the graft method.
+        grafts: Task name -> a loaded adapter's name, a saved graft's folder or a Hub id (loaded under the task name);
+            or a list of loaded adapter names (the task names).
+        rule: One of :data:`MERGE_RULES` (see the module docstring).
+        weights: The global rules' scaling: one number (``lambda`` for every task) or one per graft; default 1.
+        density: Fraction of the union of the grafts' entries each task keeps, for ``stitch_dataless``, ``ties`` and
+            the DARE rules.
+        majority_sign_method: TIES/DARE-TIES sign election: ``"total"`` or ``"frequency"`` (peft's).
+        seed: Seed of DARE's random drops.
+        exclude: Entries never merged (by parameter name), e.g. where the task regions overlap.
+
+    Returns:
+        The :class:`MergedGraft` (the model holds the new adapter, with the first task's head active in it). On any
+        error the model is left as it was (grafts loaded by this call are removed again).
+    """
+    tuner = _graft_tuner(model)
+    if isinstance(grafts, str) or not isinstance(grafts, (Mapping, Sequence)):
+        raise TypeError(f"grafts must map task names to adapters/folders, or list adapter names; got {grafts!r:.100}.")
+    sources = dict(grafts) if isinstance(grafts, Mapping) else {name: name for name in grafts}
+    if not sources:
+        raise ValueError("grafts is empty: give at least one task graft to merge.")
+    options = _check_options(rule, len(sources), weights, density, majority_sign_method, seed)
+    check_adapter_name(adapter_name)
+    if adapter_name in model.peft_config:
+        raise ValueError(f"An adapter named {adapter_name!r} already exists: choose another adapter_name.")
+    if exclude is not None and not isinstance(exclude, Region):
+        raise TypeError(f"exclude must be a Region, got {type(exclude).__name__}.")
+    loaded = []
+    try:
+        names = {}
+        for task, source in sources.items():
+            if source in model.peft_config:
+                names[task] = source
+                continue
+            if task in model.peft_config:
+                raise ValueError(f"Task {task!r}: {source!r} is not a loaded adapter, and an adapter named {task!r} "
+                                 "exists already to load it under: rename the task.")  # fmt: skip
+            try:
+                model.load_adapter(source, task)
+            except Exception as error:
+                raise ValueError(f"Task {task!r}: could not load the graft {source!r}: {error}") from error
+            loaded.append(task)
+            names[task] = task
+        _check_grafts(tuner, names)
+        merged = _merged_entries(tuner, names, rule, options, exclude)
+        heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
+                 for task, name in names.items()}  # fmt: skip
+        _add_merged_adapter(tuner, list(names.values()), adapter_name, merged)
+    except BaseException:
+        for name in loaded:
+            model.delete_adapter(name)
+        raise
+    return MergedGraft(model, adapter_name, rule, heads, options)
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def _graft_tuner(model: object) -> GraftModel:
+    tuner = getattr(model, "base_model", None)
+    if not isinstance(model, PeftModel) or not isinstance(tuner, GraftModel):
+        raise TypeError(
+            f"model must be a PeftModel of the graft method, got {type(model).__name__}: load the first graft with "
+            "PeftModel.from_pretrained(base_model, folder), then pass the others by folder."
+        )
+    return tuner
+
+
+def _check_options(rule, count, weights, density, majority_sign_method, seed) -> dict:
+    if rule not in MERGE_RULES:
+        raise ValueError(f"Unknown rule {rule!r}: use one of {MERGE_RULES}.")
+    if rule in DENSITY_RULES:
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+            raise ValueError(f"rule {rule!r} needs density in (0, 1] (the fraction of entries kept), got {density!r}.")
+    elif density is not None:
+        raise ValueError(f"rule {rule!r} takes no density (only {DENSITY_RULES} do), got {density!r}.")
+    if rule in WEIGHTED_RULES:
+        weights = 1.0 if weights is None else weights
+        values = [weights] * count if isinstance(weights, (int, float)) and not isinstance(weights, bool) else weights
+        if not isinstance(values, Sequence) or len(values) != count:
+            raise ValueError(f"weights must be one number or {count} (one per graft), got {weights!r}.")
+        values = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan") for v in values]
+        if not all(torch.isfinite(torch.tensor(values))):
+            raise ValueError(f"weights must be finite numbers, got {weights!r}.")
+        weights = values
+    elif weights is not None:
+        raise ValueError(f"rule {rule!r} takes no weights: stitching averages the overlapping entries.")
+    if majority_sign_method not in ("total", "frequency"):
+        raise ValueError(f"majority_sign_method must be 'total' or 'frequency', got {majority_sign_method!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}.")
+    return {"weights": weights, "density": density, "majority_sign_method": majority_sign_method, "seed": seed}
+
+
+def _check_grafts(tuner: GraftModel, names: dict[str, str]) -> None:
+    """Same layout (heads), hard regions, recorded theta_pre equal to the model's base values, nothing merged."""
+    layers = tuner.graft_layers()
+    if any(layer.merged for layer in layers.values()):
+        raise ValueError("The model has merged adapters: unmerge_adapter() before merging grafts.")
+    first_task, first = next(iter(names.items()))
+    reference = sorted(set(tuner.peft_config[first].modules_to_save or []))
+    for task, name in names.items():
+        config = tuner.peft_config[name]
+        if getattr(config, "peft_type", None) != tuner.peft_config[first].peft_type:
+            raise ValueError(f"Graft {name!r} (task {task!r}) is not a graft adapter.")
+        if sorted(set(config.modules_to_save or [])) != reference:
+            raise ValueError(
+                f"Graft {name!r} (task {task!r}) has another layout: its heads stored whole (modules_to_save) are "
+                f"{sorted(set(config.modules_to_save or []))}, graft {first!r} (task {first_task!r}) has {reference}."
+            )
+        if tuner.region_learners(name):
+            raise ValueError(f"Graft {name!r} (task {task!r}) is still learning its region: harden_region() first.")
+        for module, layer in layers.items():
+            indices, _ = layer.entries(name)
+            recorded = config.base_checksum.get(module)
+            if indices.numel() and recorded and layer.base_checksum(indices) != recorded:
+                raise ValueError(
+                    f"Graft {name!r} (task {task!r}) was made from a different base model: its recorded checksum of "
+                    f"theta_pre at its entries of {module!r} differs from this model's values. Merge only grafts of "
+                    "one pre-trained model."
+                )
+
+
+# ---------------------------------------------------------------------------------------------------- merging
+def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region | None):
+    """Per graft layer: the union of the grafts' flat indices, their values stacked ``(num_grafts, n)`` (NaN where a
+    graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere)."""
+    layout = build_layout(tuner.model) if exclude is not None else None
+    out = {}
+    for module, layer in tuner.graft_layers().items():
+        entries = [layer.entries(name) for name in names]
+        indices = torch.unique(torch.cat([idx.to(torch.int64).cpu() for idx, _ in entries]))
+        if exclude is not None and indices.numel():
+            keep = torch.ones(indices.numel(), dtype=torch.bool)
+            for attr, local, position in layer.space.split(indices):
+                excluded = exclude.get(layout.by_site[(module, attr)].name)
+                if excluded is not None:
+                    keep[position] = ~torch.isin(local.to(torch.int64).cpu(), excluded)
+            indices = indices[keep]
+        if indices.numel() == 0:
+            continue
+        stacked = torch.full((len(names), indices.numel()), torch.nan)
+        exact = torch.full_like(stacked, torch.nan)
+        for row, (idx, val) in enumerate(entries):
+            idx = idx.to(torch.int64).cpu()
+            columns = torch.searchsorted(indices, idx)
+            found = (columns < indices.numel()) & (indices[columns.clamp(max=indices.numel() - 1)] == idx)
+            stacked[row, columns[found]] = val.detach().float().cpu()[found]
+            positions, targets = layer.exact_entries(names[row])
+            positions = positions.to(torch.int64).cpu()
+            kept = found[positions]
+            exact[row, columns[positions[kept]]] = targets.float().cpu()[kept]
+        out[module] = (indices, stacked, exact)
+    return out
+
+
+def _merged_entries(tuner: GraftModel, names: dict[str, str], rule: str, options: dict, exclude: Region | None):
+    """Per graft layer: ``(indices, merged values, exact entries)`` of the merged body."""
+    stacked = _stacked_task_vectors(tuner, list(names.values()), exclude)
+    modules = list(stacked)
+    if not modules:
+        raise ValueError(f"The grafts {list(names.values())} hold no entries to merge (after exclude).")
+    sizes = [stacked[m][0].numel() for m in modules]
+    flat = torch.cat([stacked[m][1] for m in modules], dim=1)  # the task vectors over the union of entries
+    present = ~torch.isnan(flat)
+    taus = list(torch.nan_to_num(flat, nan=0.0))
+    density, weights = options["density"], torch.tensor(options["weights"] or [])
+    if rule == "stitch":
+        values, keep = _combine(flat, "average"), present.any(0)
+    elif rule == "stitch_dataless":
+        kept = torch.stack([_top_magnitude(tau, density) for tau in taus]) & present
+        values = _combine(torch.where(kept, flat, torch.nan), "average")
+        keep = kept.any(0)
+        values = torch.nan_to_num(values, nan=0.0)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(options["seed"])
+            if rule == "task_arithmetic":
+                values = merge_utils.task_arithmetic(taus, weights)
+            elif rule == "ties":
+                values = merge_utils.ties(taus, weights, density, options["majority_sign_method"])
+            elif rule == "dare_ties":
+                values = merge_utils.dare_ties(taus, weights, density, options["majority_sign_method"])
+            else:
+                values = merge_utils.dare_linear(taus, weights, density)
+        keep = values != 0
+    out = {}
+    for module, part_values, part_keep in zip(modules, values.split(sizes), keep.split(sizes), strict=True):
+        indices, rows, exact = stacked[module]
+        unreachable = _exact_after_combining(rows[:, part_keep], exact[:, part_keep], part_values[part_keep],
+                                             indices[part_keep])  # fmt: skip
+        if part_keep.any():
+            out[module] = (indices[part_keep], part_values[part_keep].float(), unreachable)
+    if not out:
+        raise ValueError(f"rule {rule!r} with {options} changes no entry: raise density or the weights.")
+    return out
+
+
+def _top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """The entries peft's magnitude pruning keeps (its top ``int(density * n)`` of ``|tau|``), as a mask."""
+    mask = torch.zeros(tau.numel(), dtype=torch.bool)
+    if density >= 1:
+        return mask | True
+    mask[torch.topk(tau.abs(), k=int(density * tau.numel())).indices] = True
+    return mask
+
+
+def _add_merged_adapter(tuner: GraftModel, names: list[str], adapter_name: str, merged: dict) -> None:
+    """Add the hard adapter ``adapter_name`` with the merged entries and a head copy (the first graft's head)."""
+    config = copy.copy(tuner.peft_config[names[0]])
+    config.inference_mode, config.learn_region = True, False
+    wrappers = [
+        w for w in tuner.model.modules() if isinstance(w, ModulesToSaveWrapper) and names[0] in w.modules_to_save
+    ]
+    tuner.peft_config[adapter_name] = config
+    try:
+        for module, (indices, values, unreachable) in merged.items():
+            layer = tuner.model.get_submodule(module)
+            layer.set_region(adapter_name, indices, values, unreachable)
+            layer.graft_values[adapter_name].requires_grad_(False)
+        for wrapper in wrappers:
+            wrapper.update(adapter_name)
+            wrapper.modules_to_save[adapter_name].load_state_dict(wrapper.modules_to_save[names[0]].state_dict())
+            wrapper.modules_to_save[adapter_name].requires_grad_(False)
+        _record_layout(tuner.model, config, adapter_name)
+    except BaseException:
+        del tuner.peft_config[adapter_name]
+        for layer in tuner.graft_layers().values():
+            layer.delete_adapter(adapter_name)
+        for wrapper in wrappers:
+            if adapter_name in wrapper.modules_to_save:
+                del wrapper.modules_to_save[adapter_name]
+                wrapper._adapters.discard(adapter_name)
+        raise
+    tuner.model.peft_config = tuner.peft_config
+
+
+def _graft_layers(model: PeftModel) -> dict[str, GraftLayer]:
+    return _graft_tuner(model).graft_layers()
+
+
+def _head_copies(model: PeftModel, adapter_name: str) -> dict[str, torch.Tensor]:
+    """An adapter's heads stored whole: ``"<module>.<tensor>"`` -> its ``modules_to_save`` copy's parameter."""
+    out = {}
+    for path, wrapper in model.base_model.model.named_modules():
+        if isinstance(wrapper, ModulesToSaveWrapper) and adapter_name in wrapper.modules_to_save:
+            for name, param in wrapper.modules_to_save[adapter_name].named_parameters():
+                out[f"{path}.{name}"] = param
+    return out
+
+
+__all__ = ["MERGE_RULES", "MergedGraft", "merge_grafts"]
