@@ -13,7 +13,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -75,21 +74,3 @@ def write_entries(param: torch.Tensor, indices: torch.Tensor, values: torch.Tens
         indices, values = indices[held] - start, values[held]
     with torch.no_grad():
         flat[indices] = values
-
-
-def graft_state_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules holding a graft's own state in ``model``: each graft layer's values and learning state (S), and the
-    copies of heads stored whole (``modules_to_save``). Under FSDP2 they stay whole on every process (FSDP's ignored
-    parameters): they are small beside the model (S on a search space, a hard region), read whole by hardening and
-    saving, and replaced when a region is hardened, which FSDP's own copies would undo."""
-    from peft.utils.other import ModulesToSaveWrapper
-
-    from .tuner.layer import GraftLayer
-
-    modules: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, GraftLayer):
-            modules += [module.graft_values, module.graft_learning]
-        elif isinstance(module, ModulesToSaveWrapper):
-            modules.append(module.modules_to_save)
-    return modules

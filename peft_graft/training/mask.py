@@ -30,7 +30,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from ..parameter_layout import NO_ENTRIES, build_layout
-from ..sharding import graft_state_modules
+from ..tuner.layer import graft_state_modules
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
 from .losses import LossTermsTrainer

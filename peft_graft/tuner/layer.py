@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 from torch.nn import functional as F
 
@@ -706,3 +707,17 @@ def _refuse_sharded(base_layer: nn.Module, stored_attrs: list[str], merging: boo
             "for unmerged forward passes, or merge the graft first (merge_and_unload()) and shard the plain model."
         )
     return sharding
+
+
+def graft_state_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding a graft's own state in ``model``: each graft layer's values and learning state (S), and the
+    copies of heads stored whole (``modules_to_save``). Under FSDP2 they stay whole on every process (FSDP's ignored
+    parameters): they are small beside the model (S on a search space, a hard region), read whole by hardening and
+    saving, and replaced when a region is hardened, which FSDP's own copies would undo."""
+    modules: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, GraftLayer):
+            modules += [module.graft_values, module.graft_learning]
+        elif isinstance(module, ModulesToSaveWrapper):
+            modules.append(module.modules_to_save)
+    return modules
