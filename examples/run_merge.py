@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Merge three fine-tunes of one model by stitching their grafts, against task arithmetic, TIES and DARE, offline.
 
-The tasks and fine-tunes are ``run_continual.py``'s (movie-review sentiment MR, TREC question type, SMS spam, each
-fine-tuned on its own from all-MiniLM-L6-v2: SGD, lr 5e-2, batch 8, 200 steps, frozen embeddings, one 6-way head shape
-with the same seeded initial head; a 2-class task reads its first two logits). Per task, two grafts are saved in
-``--work_dir`` (and reused by a second run): the *full* graft (every entry fine-tuning moved: the task vector
-``tau = theta_ft - theta_pre``) and the *learned* graft (``MaskTrainer``, ``--fraction`` of the parameters, selected on
-the dev set), both with the task's head stored whole.
+The tasks and fine-tunes are ``run_continual.py``'s, from ``three_tasks.py`` (movie-review sentiment MR, TREC question
+type, SMS spam, each fine-tuned on its own from all-MiniLM-L6-v2: SGD, lr 5e-2, batch 8, 200 steps, frozen embeddings,
+one 6-way head shape with the same seeded initial head; a 2-class task reads its first two logits). Per task, two grafts
+are saved in ``--work_dir`` (and reused by a second run): the *full* graft (every entry fine-tuning moved: the task
+vector ``tau = theta_ft - theta_pre``) and the *learned* graft (``MaskTrainer``, ``--fraction`` of the parameters,
+selected on the dev set), both with the task's head stored whole.
 
 Every rule of :func:`peft_graft.merging.merge_grafts` then builds one merged body, evaluated with each task's own head
 (accuracy, ECE on the test sets; normalized accuracy = merged / individual fine-tune):
@@ -46,7 +46,7 @@ import example_utils as U
 import torch
 from peft import PeftModel, get_peft_model
 from real_tasks import ASSETS, ensure_assets, minilm_dir
-from run_continual import DEFAULT, SMOKE, Runner, Task, load_tasks
+from three_tasks import DEFAULT, SMOKE, Runner, Task, load_tasks
 from transformers import HfArgumentParser
 
 from peft_graft import GraftConfig, Region

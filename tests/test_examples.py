@@ -175,8 +175,8 @@ def test_loading_reports_only_what_is_not_expected(assets, caplog, capfd):
 
 
 def test_scripts_do_not_import_each_other():
-    """Shared code lives in example_utils.py and real_tasks.py; only the orchestrators run_pipeline.py and
-    run_baselines.py import the scripts."""
+    """Shared code lives in example_utils.py, real_tasks.py and three_tasks.py; only the orchestrators run_pipeline.py
+    and run_baselines.py import the scripts."""
     scripts = {path.stem for path in EXAMPLES.glob("run_*.py")}
     for path in EXAMPLES.glob("run_*.py"):
         imported = set()
