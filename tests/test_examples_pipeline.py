@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -14,7 +15,14 @@ import run_pipeline  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "flags", [["--causal", "--paper_size"], ["--causal", "--causal_smoke"], ["--causal_smoke", "--paper_size"]]
+    "flags",
+    [
+        ["--causal", "--paper_size"],
+        ["--causal", "--causal_smoke"],
+        ["--causal_smoke", "--paper_size"],
+        ["--many_shot", "--paper_size"],
+        ["--many_shot", "--causal"],
+    ],
 )
 def test_presets_are_mutually_exclusive(flags, capsys):
     with pytest.raises(SystemExit):
@@ -51,3 +59,72 @@ def test_a_bad_selection_level_is_refused_before_any_work(value, tmp_path, capsy
 
 def test_selection_level_none_is_the_papers_best_dev_selection():
     assert run_pipeline._level_or_none("none") is None and run_pipeline._level_or_none("0.05") == 0.05
+
+
+@pytest.mark.parametrize("flag", ["--k_shot", "--ft_steps", "--mask_steps", "--mask_batch"])
+def test_a_count_below_one_is_refused_before_any_work(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_pipeline.main([flag, "0", "--work_dir", str(tmp_path)])
+    assert "must be a positive integer, got 0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_many_shot_preset_is_the_papers_shot_count_with_stated_budgets():
+    many = run_pipeline.MANY_SHOT
+    assert many["k_shot"] == 4096 and many["mask_steps"] == 100  # the paper's 4096-shot setting, 100 mask steps
+    assert many["fractions"] == (1e-5, 1e-4, 1e-3, 1e-2)  # Figure 2: 0.001% ... 1%
+    assert many["ft_steps"] < 16 * 2 * 512  # the stated budget, below the paper's 16 x n x min(k, 512)
+
+
+def _pool(tmp_path, counts: dict[int, int]) -> str:
+    rows = [(f"text {label} {i}", label) for label, count in counts.items() for i in range(count)]
+    path = tmp_path / "pool.csv"
+    pd.DataFrame(rows, columns=["text", "label"]).to_csv(path, index=False)
+    return str(path)
+
+
+def test_k_shot_sample_takes_all_of_a_short_class(tmp_path):
+    pool = _pool(tmp_path, {0: 50, 1: 7, 2: 30})
+    path, per_class = run_pipeline.k_shot_sample(pool, 20, seed=3, data_dir=tmp_path)
+    assert per_class == {"0": 20, "1": 7, "2": 20}
+    sample = pd.read_csv(path)
+    assert sample["label"].value_counts().sort_index().to_dict() == {0: 20, 1: 7, 2: 20}
+    assert sample["text"].is_unique and set(sample["text"]) <= set(pd.read_csv(pool)["text"])
+    again, _ = run_pipeline.k_shot_sample(pool, 20, seed=3, data_dir=tmp_path)
+    assert pd.read_csv(again).equals(sample)  # seeded
+
+
+def test_k_shot_sample_leaves_full_classes_to_the_scripts(tmp_path):
+    """No short class: no file, the scripts draw the sample with --k_shot as the presets' figures were measured."""
+    path, per_class = run_pipeline.k_shot_sample(_pool(tmp_path, {0: 50, 1: 40}), 20, seed=3, data_dir=tmp_path)
+    assert path is None and per_class == {"0": 20, "1": 20}
+
+
+class _Step:
+    __name__ = "run_step_stub"
+
+    def __init__(self):
+        self.calls = []
+
+    def main(self, argv):
+        self.calls.append(argv)
+
+
+def test_a_step_done_with_the_same_arguments_is_skipped(tmp_path):
+    step, out = _Step(), tmp_path / "graft"
+    out.mkdir()
+    run_pipeline.resumable_step(step, str(out), ["--max_steps", "10"])
+    run_pipeline.resumable_step(step, str(out), ["--max_steps", "10"])  # resumed: done already
+    assert step.calls == [["--max_steps", "10"]]
+    run_pipeline.resumable_step(step, str(out), ["--max_steps", "20"])  # other arguments: run again
+    assert step.calls == [["--max_steps", "10"], ["--max_steps", "20"]]
+
+
+def test_a_step_that_raises_leaves_no_mark(tmp_path):
+    class Failing(_Step):
+        def main(self, argv):
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        run_pipeline.resumable_step(Failing(), str(tmp_path), ["--x"])
+    assert not (tmp_path / ".pipeline_done").exists()
