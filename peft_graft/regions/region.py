@@ -20,7 +20,11 @@ from ..parameter_layout import PEFT_PREFIX, Layout, build_layout
 
 
 class Region(Mapping[str, torch.Tensor]):
-    """An immutable set of entries: parameter name -> sorted unique flat indices (int64)."""
+    """An immutable set of entries: parameter name -> sorted unique flat indices (int64).
+
+    A mapping over the tensors that hold entries: ``len(region)``, iteration and ``region[name]`` are per *tensor*
+    (``len(region) == region.num_tensors``). The number of *entries* (the graft's size) is :attr:`num_entries`.
+    """
 
     def __init__(self, indices: Mapping[str, torch.Tensor] | None = None):
         self._indices: dict[str, torch.Tensor] = {}
@@ -77,11 +81,17 @@ class Region(Mapping[str, torch.Tensor]):
         return iter(self._indices)
 
     def __len__(self) -> int:
+        """The number of tensors holding entries (not of entries: see :attr:`num_entries`)."""
+        return len(self._indices)
+
+    @property
+    def num_tensors(self) -> int:
+        """Number of tensors holding entries (``len(region)``)."""
         return len(self._indices)
 
     @property
     def num_entries(self) -> int:
-        """Number of entries in the region."""
+        """Number of entries in the region, over all its tensors (a graft's size)."""
         return sum(int(idx.numel()) for idx in self._indices.values())
 
     def __repr__(self) -> str:

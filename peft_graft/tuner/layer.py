@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,19 @@ RECOMPUTE_SOFT_PARAMETERS = True
 GRAFT_EMBEDDING_ROWS = True
 GRAFT_SPARSE_LINEAR = True
 GRAFT_IN_PLACE_INFERENCE = True
+
+# peft's _get_in_out_features warns about any module without in/out features (norms, custom layers): it is written for
+# methods that need them (LoRA's matrices). A graft applies entries to any parameter tensor, so for graft layers only
+# that warning says nothing the user can act on.
+UNSUPPORTED_LAYER_WARNING = r"Unsupported layer type '.*' encountered, proceed at your own risk\."
+
+
+def in_out_features(base_layer: nn.Module) -> tuple[int | None, int | None]:
+    """peft's ``_get_in_out_features`` of ``base_layer`` (``(None, None)`` if unknown), without its warning about
+    layer types it does not know: a graft supports every parameter tensor. The filter holds for this call only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=UNSUPPORTED_LAYER_WARNING, category=UserWarning)
+        return _get_in_out_features(base_layer)
 
 
 class GraftLayer(nn.Module, BaseTunerLayer):
@@ -88,7 +102,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
         self._disable_adapters = False
         self.merged_adapters = []
-        self.in_features, self.out_features = _get_in_out_features(base_layer)  # as peft's layers; None if unknown
+        self.in_features, self.out_features = in_out_features(base_layer)  # as peft's layers; None if unknown
 
     # ----------------------------------------------------------------------------------------------- state
     @property

@@ -22,6 +22,7 @@ from ..scores.movement import (
     Movement,
     eligible_tensors,
     exact_movement,
+    finetuned_pieces,
     finetuned_tensor,
     is_saved_whole,
     load_finetuned,
@@ -56,6 +57,7 @@ class Plan:
     unreachable: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     learning: dict[str, LearningPlan] = field(default_factory=dict)  # modules whose region is learned
     saved_whole: dict[str, torch.Tensor] = field(default_factory=dict)  # theta_ft of modules_to_save tensors
+    num_eligible: int = 0  # entries the region was chosen among (the denominator of GraftConfig.sparsity)
 
 
 def plan_loaded_graft(config: GraftConfig, layout: Layout) -> Plan:
@@ -84,7 +86,8 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
         raise ValueError("No eligible tensor moved during fine-tuning: check finetuned and the parameter filters.")
     request = RegionRequest(movement, config.budget, layout, config.seed, config._given_region, config._region_scores)
     region = choose_region(config.region, request)
-    plan = Plan(layout)
+    _warn_dropped_heads(state, layout, config, movement, region)
+    plan = Plan(layout, num_eligible=request.num_eligible)
     plan.regions = _by_module(layout, {n: (idx, movement.gather(n, idx)) for n, idx in region.items()})
     plan.unreachable = _by_module(layout, unreachable)
     if config.learn_region and config.searches_subset:
@@ -182,6 +185,59 @@ def _by_module(
         order = indices.argsort()
         out[module] = (indices[order], values[order])
     return out
+
+
+HEAD_MODULES = ("classifier", "score", "qa_outputs")
+"""Names of the task heads transformers adds on top of a pre-trained model (peft stores them whole for SEQ_CLS,
+TOKEN_CLS and QUESTION_ANS): new layers, random in theta_pre."""
+
+
+def _warn_dropped_heads(state, layout: Layout, config: GraftConfig, movement: Movement, region: Region) -> None:
+    """Warn when theta_ft's task head differs from theta_pre's but the graft would not carry it over: the head is not
+    stored whole (``modules_to_save``) and the region holds only part of its moved entries (none when filters make it
+    ineligible). The grafted model would then run with the pre-trained head, random for a head added by fine-tuning."""
+    dropped: dict[str, tuple[int, int]] = {}  # head module -> (moved entries, entries in the region)
+    for name, info in layout.tensors.items():
+        head = _head_module(info.aliases)
+        if head is None or not info.parameter.is_floating_point():
+            continue
+        if any(is_saved_whole(alias, config.modules_to_save) for alias in info.aliases):
+            continue
+        if name in movement:
+            moved = sum(int(piece.count_nonzero()) for _, piece in movement.pieces(name))
+        else:  # ineligible (filters): did fine-tuning move it? (a tensor theta_ft lacks or shapes otherwise: skipped)
+            try:
+                pieces = finetuned_pieces(state, layout, name)
+                moved = sum(int((pre != ft.to(pre.dtype)).sum()) for _, pre, ft in pieces)
+            except (KeyError, ValueError, TypeError):
+                continue
+        kept = int(region[name].numel()) if name in region else 0
+        if moved > kept:
+            total_moved, total_kept = dropped.get(head, (0, 0))
+            dropped[head] = (total_moved + moved, total_kept + kept)
+    if not dropped:
+        return
+    heads = sorted({head.rpartition(".")[2] for head in dropped})
+    task = "QUESTION_ANS" if heads == ["qa_outputs"] else "SEQ_CLS"  # peft's task types that store these heads
+    details = "; ".join(f"{head!r}: {kept} of its {moved} moved entries" for head, (moved, kept) in dropped.items())
+    warnings.warn(
+        f"theta_ft's task head differs from theta_pre's, but the graft keeps only part of it ({details}): the grafted "
+        "model would run with the pre-trained head, which is random for a head added by fine-tuning (outputs near "
+        f"chance). Store the head whole: GraftConfig(..., modules_to_save={heads!r}), or task_type={task!r} (peft then "
+        "stores it whole).",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _head_module(aliases: tuple[str, ...]) -> str | None:
+    """The task head module (:data:`HEAD_MODULES`) a tensor belongs to, by any of its names, or ``None``."""
+    for alias in aliases:
+        parts = alias.split(".")[:-1]
+        for position, part in enumerate(parts):
+            if part in HEAD_MODULES:
+                return ".".join(parts[: position + 1])
+    return None
 
 
 def _warn_unknown_tensors(state, model: nn.Module, layout: Layout) -> None:

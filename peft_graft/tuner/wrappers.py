@@ -21,6 +21,7 @@ from peft.utils import save_and_load
 from peft.utils.other import AuxiliaryTrainingWrapper
 from transformers import PreTrainedModel, Trainer, modeling_utils
 
+from ..parameter_layout import num_base_parameters
 from .in_place import model_forward, state_change
 from .persistence import (
     is_graft_config,
@@ -112,6 +113,77 @@ def wrap_state_change(original):
     return change
 
 
+def wrap_parameter_count(original):
+    """``PeftModel.get_nb_trainable_parameters``: for a graft model, ``(trainable, all)`` where ``all`` counts the
+    parameters of the base model once (peft's count adds the graft's stored values, the scores S while a region is
+    learned and the copies of heads stored whole, doubling it while S is dense) and ``trainable`` what training would
+    update (S while learning, graft values peft marks trainable, heads stored whole): 0 for a hardened graft."""
+
+    @functools.wraps(original)
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        if not is_graft_model(self):
+            return original(self)
+        trainable, _ = original(self)
+        return trainable, num_base_parameters(self.base_model.model)
+
+    return get_nb_trainable_parameters
+
+
+def wrap_parameter_report(original):
+    """``PeftModel.print_trainable_parameters``: for a graft model, peft's line (with the counts of
+    :func:`wrap_parameter_count`) and one line per graft saying what it holds and what trains."""
+
+    @functools.wraps(original)
+    def print_trainable_parameters(self) -> None:
+        original(self)
+        if is_graft_model(self):
+            for line in graft_parameter_report(self):
+                print(line)
+
+    return print_trainable_parameters
+
+
+def graft_parameter_report(model: PeftModel) -> list[str]:
+    """One line per graft adapter of ``model``: its entries as a fraction of all parameters of the base model, and
+    what of it trains (scores S while learning, its values, its heads stored whole)."""
+    lines = []
+    for name, config in model.peft_config.items():
+        if not is_graft_config(config):
+            continue
+        graft_model = model.base_model
+        stats = graft_model.graft_stats(name)
+        total = stats.total_parameters or stats.num_parameters
+        size = f"{stats.num_entries:,} entries = {stats.fraction_of_parameters:.4%} of all {total:,} parameters"
+        learners = graft_model.region_learners(name)
+        layers = graft_model.graft_layers().values()
+        values = sum(
+            int(layer.graft_values[name].numel())
+            for layer in layers
+            if name in layer.graft_values and layer.graft_values[name].requires_grad
+        )
+        head = head_trainable = 0
+        for module_name, parameter in model.named_parameters():
+            if f".modules_to_save.{name}." in module_name:
+                head += parameter.numel()
+                head_trainable += parameter.numel() if parameter.requires_grad else 0
+        if learners:
+            scores = sum(learner.scores.numel() for learner in learners.values() if learner.scores.requires_grad)
+            dense = all(learner.is_dense for learner in learners.values())
+            space = "every eligible entry, the paper's dense S" if dense else "a search space"
+            text = f"graft {name!r}: learning its region: {scores:,} trainable scores S over {space}; "
+            text += f"round(gamma) holds {size} now"
+        else:
+            text = f"graft {name!r}: {size} (a hard region)"
+            text += f"; {values:,} trainable graft values" if values else "; its values are frozen"
+        if head:
+            state = "trainable" if head_trainable else "frozen"
+            text += f"; heads stored whole (modules_to_save): {head:,} parameters, {state}"
+        if not learners and not values and not head_trainable:
+            text += ": trains nothing"
+        lines.append(text)
+    return lines
+
+
 def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
     """``(class or module, method name, wrapper factory)`` of every library method the package wraps."""
     return [
@@ -122,6 +194,8 @@ def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
         (PeftModel, "generate", wrap_serving),
         (PeftModel, "add_adapter", wrap_state_change),
         (PeftModel, "delete_adapter", wrap_state_change),
+        (PeftModel, "get_nb_trainable_parameters", wrap_parameter_count),
+        (PeftModel, "print_trainable_parameters", wrap_parameter_report),
         (PeftConfig, "from_json_file", wrap_config_reader),
         (PeftConfig, "_get_peft_type", wrap_peft_type_reader),
         (PreTrainedModel, "load_adapter", wrap_transformers_load),
