@@ -203,7 +203,7 @@ def merge_grafts(
         merged = _merged_entries(tuner, names, rule, options, exclude)
         heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
                  for task, name in names.items()}  # fmt: skip
-        _add_merged_adapter(tuner, list(names.values()), adapter_name, merged)
+        _add_merged_adapter(tuner, list(names.values()), adapter_name, merged, rule)
     except BaseException:
         for name in loaded:
             model.delete_adapter(name)
@@ -361,10 +361,17 @@ def _top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:
     return mask
 
 
-def _add_merged_adapter(tuner: GraftModel, names: list[str], adapter_name: str, merged: dict) -> None:
+def _add_merged_adapter(tuner: GraftModel, names: list[str], adapter_name: str, merged: dict, rule: str) -> None:
     """Add the hard adapter ``adapter_name`` with the merged entries and a head copy (the first graft's head)."""
     config = copy.copy(tuner.peft_config[names[0]])
     config.inference_mode, config.learn_region = True, False
+    config.region_provenance = {
+        "strategy": "union",
+        "learned": False,
+        "kept": "combination",
+        "combined_from": list(names),
+        "combination": rule,
+    }
     wrappers = [
         w for w in tuner.model.modules() if isinstance(w, ModulesToSaveWrapper) and names[0] in w.modules_to_save
     ]

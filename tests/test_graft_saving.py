@@ -68,9 +68,9 @@ def test_push_to_hub_uploads_a_reloadable_graft_with_its_card(graft, tmp_path, m
     assert meta["base_model"] == str(tmp_path / "base")
     assert {"graft", "skill-localization"} <= set(meta["tags"])
     card = (uploaded / "README.md").read_text()
-    assert "| default | 123 |" in card and "| movement |" in card
-    sparsity = 123 / sum(p.numel() for p in pre.parameters())
-    assert f"{sparsity:.6%}" in card
+    assert "| Grafted entries | 123 |" in card and "| Region strategy | `movement`" in card
+    fraction = 123 / sum(p.numel() for p in pre.parameters())
+    assert f"| Fraction of all parameters | {fraction:.4%} of the" in card
 
     reloaded = PeftModel.from_pretrained(clone_model(pre), uploaded)
     assert torch.equal(logits(reloaded), logits(model))
@@ -139,7 +139,8 @@ def test_resaving_updates_the_card_section_instead_of_repeating_it(graft, tmp_pa
     _, model = graft
     model.save_pretrained(tmp_path / "g")
     model.save_pretrained(tmp_path / "g")
-    assert (tmp_path / "g" / "README.md").read_text().count("## Graft") == 1
+    card = (tmp_path / "g" / "README.md").read_text()
+    assert card.count("peft_graft card: start") == card.count("| Grafted entries |") == 1
 
 
 KILLED_SAVE = """
@@ -190,7 +191,7 @@ def test_save_killed_between_moves_is_undone_or_finished_by_the_next_load(graft,
     assert torch.equal(logits(loaded), logits(expected))
     assert side_files(tmp_path) == []
     card = (target / "README.md").read_text()
-    assert ("| default | 50 |" in card) == (moves == 3)  # the card is restored with the rest
+    assert ("| Grafted entries | 50 |" in card) == (moves == 3)  # the card is restored with the rest
 
 
 PAUSED_SAVE = """

@@ -352,7 +352,7 @@ def test_exact_budget_logging_and_best_mask(tmp_path, caplog):
     assert trainer.mask_report["grafted_entries"] == 7 and trainer.mask_report["grafted_entries_rounded"] >= 1
     history = trainer.state.log_history
     train_logs = [h for h in history if "loss" in h]
-    assert train_logs and all({"grafted_entries", "sparsity"} <= h.keys() for h in train_logs)
+    assert train_logs and all({"grafted_entries", "fraction_of_parameters"} <= h.keys() for h in train_logs)
     evals = [h for h in history if "eval_train_plus_eval_loss" in h]
     assert [h["step"] for h in evals] == [0, 2, 4]  # gamma_base, evaluated when training begins, then every 2 steps
     assert evals[0]["eval_grafted_entries"] == 20  # gamma_base whole; the budget of 7 applies to learned masks

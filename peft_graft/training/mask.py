@@ -29,10 +29,11 @@ from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
-from ..parameter_layout import NO_ENTRIES, build_layout
+from ..parameter_layout import NO_ENTRIES, num_base_parameters
 from ..tuner.layer import graft_state_modules
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
+from ..tuner.provenance import numeric_metrics
 from .losses import LossTermsTrainer
 from .mask_selection import Entries, SignificantSelection, copy_entries, per_example_correct
 
@@ -193,9 +194,7 @@ class MaskTrainer(LossTermsTrainer):
         self.adapter_name = adapter_name
         learners = self.region_learners()
         self._num_moved = sum(int(learner.moved().sum()) for learner in learners.values())
-        self._num_parameters = sum(
-            info.parameter.numel() for info in build_layout(model.base_model.model).tensors.values()
-        )
+        self._num_parameters = num_base_parameters(model.base_model.model)  # fraction_of_parameters' denominator
         if args.l1_penalty:
             self.loss_terms.append(ScoreL1Penalty(list(learners.values()), args.l1_penalty))
         self.mask_report: dict[str, float] = {}
@@ -204,6 +203,7 @@ class MaskTrainer(LossTermsTrainer):
         self._best: tuple[float, int, Entries] | None = None
         self._selection: SignificantSelection | None = None  # with selection_alpha, while train() runs
         self._correct: dict[str, np.ndarray] = {}  # per-example correctness of the last evaluations, by prefix
+        self._evaluations: dict[int, dict[str, float]] = {}  # metrics of each mask evaluated while learning, by step
         if args.selection_alpha is not None:
             _check_selection_setup(args, self.eval_dataset)
         if isinstance(self.eval_dataset, dict) and args.keep_best_mask and args.metric_for_best_model is not None:
@@ -381,6 +381,7 @@ class MaskTrainer(LossTermsTrainer):
         self._check_distributed_wrapping()
         self._best = None
         self._selection_report = {}
+        self._evaluations = {}
         self._tracking_best = self._selects_best_mask()
         alpha = self.args.selection_alpha
         if self._tracking_best and alpha is not None:
@@ -491,7 +492,42 @@ class MaskTrainer(LossTermsTrainer):
         if best is not None:
             self.mask_report["selected_step"] = best[1]
             self.mask_report.update(self._selection_report)
+        self._record_provenance(best)
         return kept
+
+    def _record_provenance(self, best: tuple[float, int, Entries] | None, kept: str | None = "final") -> None:
+        """Record in the graft's config how MaskTrainer found its region (``GraftConfig.region_provenance``): the
+        steps trained, the mask kept and, when one was selected, its step, metric and p-value, and the evaluation
+        metrics of the kept mask. ``kept=None``: the region is still being learned (a checkpoint)."""
+        config = self.model.peft_config[self.adapter_name]
+        record = dict(config.region_provenance or {"strategy": config.region})
+        for name in ("selected_step", "selection_metric", "selection_value", "selection_alpha", "selection_p_value",
+                     "evaluated_masks", "metrics", "scores_from_step"):  # fmt: skip
+            record.pop(name, None)
+        step = self.state.global_step
+        record.update(learned=True, trainer="MaskTrainer", steps_trained=int(step))
+        if kept is None:
+            record["kept"] = None
+        elif best is None:
+            record["kept"] = "round(gamma)" if self.args.num_entries is None else "top num_entries of gamma"
+            best_step = getattr(self.state, "best_global_step", None)
+            if self.args.load_best_model_at_end and self.state.best_model_checkpoint and best_step is not None:
+                step = record["scores_from_step"] = int(best_step)  # the Trainer reloaded the best checkpoint's S
+        else:
+            value, step = best[0], best[1]
+            record["kept"] = "gamma_base" if step == 0 else "best evaluated mask"
+            record.update(selected_step=int(step), selection_metric=self.args.metric_for_best_model)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                record["selection_value"] = float(value)
+            if self.args.selection_alpha is not None:
+                record["selection_alpha"] = float(self.args.selection_alpha)
+                record["evaluated_masks"] = int(self._selection_report.get("evaluated_masks", 0))
+                p_value = self._selection_report.get("selection_p_value")
+                if step != 0 and p_value is not None:  # gamma_base is the reference, not tested
+                    record["selection_p_value"] = float(p_value)
+        if kept is not None and self._evaluations.get(step):
+            record["metrics"] = self._evaluations[step]
+        config.region_provenance = record
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._in_training_step and not self.args.mask_dropout:
@@ -560,6 +596,8 @@ class MaskTrainer(LossTermsTrainer):
                         extra[f"{metric_key_prefix}_train_plus_eval_{name}"] = value + train[f"train_{name}"]
         metrics.update(extra)
         self.log(extra)
+        if learning and eval_dataset is None and metric_key_prefix == "eval":
+            self._evaluations[0 if starting else self.state.global_step] = numeric_metrics(metrics)
         if self._tracking_best and eval_dataset is None and metric_key_prefix == "eval":
             self._track_best(metrics, entries, 0 if starting else self.state.global_step)
         return metrics
@@ -579,7 +617,7 @@ class MaskTrainer(LossTermsTrainer):
         if "loss" in logs and self.region_learners():
             grafted = self.num_grafted_entries()
             logs["grafted_entries"] = grafted
-            logs["sparsity"] = grafted / max(self._num_parameters, 1)
+            logs["fraction_of_parameters"] = grafted / max(self._num_parameters, 1)  # not GraftConfig.sparsity
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -593,6 +631,8 @@ class MaskTrainer(LossTermsTrainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """A loadable sparse graft (the mask evaluation measures); while learning, S rides along for resuming."""
+        if self.region_learners():  # a checkpoint of a region still being learned: say so in its config and card
+            self._record_provenance(None, kept=None)
         with self.hard_mask():
             if self._sharded and not self.args.should_save:  # join the collectives reading theta_pre at the entries
                 get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)

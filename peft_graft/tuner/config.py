@@ -12,6 +12,7 @@ from peft.config import PeftConfig
 
 from .._peft_compat import extend_peft_type
 from ..regions.strategies import get_region_strategy
+from .provenance import check_provenance
 
 GRAFT_NAME = "graft"
 GRAFT_PREFIX = "graft_"
@@ -31,7 +32,12 @@ class GraftConfig(PeftConfig):
         region_scores: For ``region="fisher"``: per-parameter scores (tensors of the parameters' shapes, by parameter
             name), e.g. the Fisher diagonal of :func:`peft_graft.scores.fisher_diagonal`. Runtime only, never saved.
         finetuned_model_name_or_path: Recorded name of theta_ft when it was given as a path or Hub id.
-        sparsity: Fraction of the eligible parameters to graft; the budget is ``k = round(sparsity * n_eligible)``.
+        sparsity: The budget as a fraction of the *eligible* entries: ``k = round(sparsity * n_eligible)``, where
+            ``n_eligible`` counts the entries of the tensors that pass ``include_parameters``/``exclude_parameters``,
+            are not stored whole (``modules_to_save``) and, with ``only_moved``, that fine-tuning moved. It is not a
+            fraction of all parameters: reports (``graft_stats()``, ``print_trainable_parameters()``, the model card,
+            MaskTrainer's logs) give a graft's size as ``fraction_of_parameters``, entries over all parameters of the
+            base model. The word means this budget and nothing else in the package.
         num_entries: Exact budget ``k``; overrides ``sparsity`` when set.
         region: Name of the region strategy (see :mod:`peft_graft.regions.strategies`): ``"movement"`` (the paper's
             ``gamma_base``: top-k of ``|theta_ft - theta_pre|`` over all eligible tensors), ``"random"`` (seeded),
@@ -65,6 +71,10 @@ class GraftConfig(PeftConfig):
             no fp32 delta reproduces it (see ``GraftLayer``).
         weights_checksum: Filled in when saving: the sha256 of ``adapter_model.safetensors``, checked when a local
             graft is loaded.
+        region_provenance: Filled in by the library: how the region was found, a JSON object (the strategy and size
+            of the starting region, whether and by what it was learned, steps, which mask was kept and the selection's
+            metric and p-value; see :mod:`peft_graft.tuner.provenance`). Descriptive only: ``None`` in grafts saved by
+            older versions, which load as before.
         format_version: Filled in when saving: 1 for a save that records every integrity field (``weights_checksum``,
             ``base_checksum``, ``base_fingerprint``); loading one that lacks any is refused. Set it to 0 to load a
             graft saved by an older peft_graft without them (``GraftConfig.from_pretrained(path)``, then
@@ -82,7 +92,11 @@ class GraftConfig(PeftConfig):
         default=None, metadata={"help": "Recorded name of theta_ft when given as a path or Hub id."}
     )
     sparsity: float | None = field(
-        default=1e-4, metadata={"help": "Fraction of eligible parameters to graft (k = round(sparsity * n_eligible))."}
+        default=1e-4,
+        metadata={
+            "help": "Budget as a fraction of the eligible entries (moved, filtered, not stored whole): k = "
+            "round(sparsity * n_eligible). Not a fraction of all parameters (reports say fraction_of_parameters)."
+        },
     )
     num_entries: int | None = field(default=None, metadata={"help": "Exact number of grafted entries k."})
     region: str = field(
@@ -138,6 +152,13 @@ class GraftConfig(PeftConfig):
     )
     weights_checksum: str | None = field(
         default=None, metadata={"help": "Set when saving: sha256 of the adapter's weights file, verified on load."}
+    )
+    region_provenance: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "help": "Set by the library: how the region was found (strategy, size, learned by MaskTrainer, steps, "
+            "the mask kept and its selection)."
+        },
     )
     format_version: int | None = field(
         default=None,
@@ -236,6 +257,7 @@ class GraftConfig(PeftConfig):
         exact = mapping("exact_entries", count, "entry counts (ints >= 0)")
         mapping("base_fingerprint", lambda v: isinstance(v, list) and all(map(number, v)), "lists of numbers")
         mapping("base_checksum", lambda v: isinstance(v, str), "strings")
+        check_provenance(self.region_provenance)
         for module, num_exact in exact.items():
             if num_exact > grafted.get(module, 0):
                 refuse("exact_entries", f"records {num_exact} exact entries for {module!r}, which has "

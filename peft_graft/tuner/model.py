@@ -14,15 +14,16 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout
+from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout, num_base_parameters
 from ..regions import Region
+from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
 from .in_place import model_forward, state_change, suspended_writes, written_in_place
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .mixed_batch import BASE, mixed_batch_hooks
-from .planning import plan_loaded_graft, plan_new_graft
+from .planning import Plan, plan_loaded_graft, plan_new_graft
 
 COMBINATION_RULES = ("average", "sum", "first", "last")
 
@@ -153,6 +154,7 @@ class GraftModel(BaseTuner):
                 raise ValueError(f"{name!r} belongs to modules_to_save but peft did not wrap its module.")
             copy.data.copy_(tensor)
         _record_layout(model, config, adapter_name)
+        config.region_provenance = _creation_provenance(self._plan, config, model)
         config._finetuned = config._given_region = config._region_scores = None  # never needed again
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["graft", "skill-localization"])
@@ -399,8 +401,15 @@ class GraftModel(BaseTuner):
             layer.stop_learning(adapter_name)
             layer.set_region(adapter_name, indices, values, learner.unreachable)
             total += int(indices.numel())
-        _record_layout(self.model, self.peft_config[adapter_name], adapter_name)
-        self.peft_config[adapter_name].learn_region = False
+        config = self.peft_config[adapter_name]
+        _record_layout(self.model, config, adapter_name)
+        config.learn_region = False
+        kept = "given entries" if entries is not None else "round(gamma)" if num_entries is None else None
+        config.region_provenance = {
+            **(config.region_provenance or {"strategy": config.region}),
+            "learned": True,
+            "kept": kept or "top num_entries of gamma",
+        }
         return total
 
     @changes_state()
@@ -445,6 +454,14 @@ class GraftModel(BaseTuner):
         heads = _combined_heads(self.model, adapter_names, combination)
         config = copy.copy(self.peft_config[adapter_names[0]])
         config.inference_mode, config.learn_region = True, False
+        rule = combination if isinstance(combination, str) else getattr(combination, "__name__", "callable")
+        config.region_provenance = {
+            "strategy": "union",
+            "learned": False,
+            "kept": "combination",
+            "combined_from": list(adapter_names),
+            "combination": str(rule),
+        }
         self.peft_config[combined_name] = config
         try:
             for module, (indices, values, unreachable) in regions.items():
@@ -719,6 +736,16 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
                     checksums[key] = checksum
     config.grafted_modules, config.base_fingerprint, config.base_checksum = counts, fingerprints, checksums
     config.exact_entries = exact
+
+
+def _creation_provenance(plan: Plan, config: GraftConfig, model: nn.Module) -> dict:
+    """The provenance of a graft just created from ``plan`` (see :mod:`.provenance`)."""
+    search = None
+    if plan.learning and all(learning.search_indices is not None for learning in plan.learning.values()):
+        search = sum(int(learning.search_indices.numel()) for learning in plan.learning.values())
+    start = sum(int(indices.numel()) for indices, _ in plan.regions.values())
+    num_parameters = num_base_parameters(model)
+    return provenance.chosen(config.region, start, plan.num_eligible, num_parameters, bool(plan.learning), search)
 
 
 def _modules_to_save_tensor(model: nn.Module, name: str, adapter_name: str) -> nn.Parameter | None:

@@ -19,8 +19,9 @@ too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``Valu
 - A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
   base) removes the half-added adapter again, so the model is left as it was, and a corrupt safetensors file is
   reported as a ``ValueError`` naming the folder.
-- The model card keeps peft's fields (``library_name: peft``, ``base_model``) and gains the tags ``graft`` and
-  ``skill-localization`` and a section with the number of grafted entries and the sparsity of each adapter.
+- The model card (:mod:`.card`) replaces peft's empty template with what the graft is, its base model, how its
+  region was found, where its entries sit, its run's metrics and how to load it; it keeps peft's metadata
+  (``library_name: peft``, ``base_model``, peft's tags) and gains the tags ``graft`` and ``skill-localization``.
 - transformers' ``push_to_hub`` replaces the saved card with a generic ``library_name: transformers`` one; for graft
   adapters the folder written by ``save_pretrained`` is uploaded as it is, with ``HfApi.upload_folder``.
 """
@@ -39,7 +40,7 @@ from contextlib import contextmanager, nullcontext
 import safetensors
 import safetensors.torch
 from filelock import FileLock
-from huggingface_hub import HfApi, ModelCard
+from huggingface_hub import HfApi
 from peft import PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
@@ -51,15 +52,13 @@ from .._checksum import (
     record_weights_checksum,
     verify_weights_checksum,
 )
+from .card import card_location, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
 from .layer import GraftLayer
 from .model import check_graft_state_dict, check_loaded_graft
 
 STAGING, PREVIOUS = "saving", "previous"  # the hidden folders a save keeps beside its destination
-
-CARD_TAGS = ("graft", "skill-localization")
-CARD_SECTION = "## Graft"
 
 
 def is_graft_model(model: PeftModel) -> bool:
@@ -77,7 +76,8 @@ def wrap_save(original):
                 "save_pretrained(safe_serialization=False) would write the graft as adapter_model.bin (a pickle), "
                 "which peft_graft never loads: graft weights are saved as safetensors only. Drop the argument."
             )
-        save_directory = os.path.abspath(os.fspath(save_directory))
+        given_directory = os.fspath(save_directory)  # as the user named it: the card's load snippet names it so
+        save_directory = os.path.abspath(given_directory)
         parent = os.path.dirname(save_directory)
         os.makedirs(parent, exist_ok=True)
         with folder_lock(save_directory):  # one save of a folder at a time, across threads and processes
@@ -91,7 +91,7 @@ def wrap_save(original):
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
                         record_weights_checksum(root)
-                write_graft_card_section(self, staging)
+                write_graft_card(self, staging, given_directory)
                 _move_into_place(staging, save_directory)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -243,7 +243,14 @@ def _remove_loaded_graft(model, adapter_name: str, previously_active: list[str])
         model._hf_peft_config_loaded = False
 
 
-GRAFT_ONLY_FIELDS = ("grafted_modules", "base_checksum", "base_fingerprint", "exact_entries", "format_version")
+GRAFT_ONLY_FIELDS = (
+    "grafted_modules",
+    "base_checksum",
+    "base_fingerprint",
+    "exact_entries",
+    "format_version",
+    "region_provenance",
+)
 """Fields only a graft's adapter config holds."""
 
 
@@ -391,7 +398,7 @@ def wrap_push(original):
             )
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as folder, card_location(repo_id):
             self.save_pretrained(folder)
             return api.upload_folder(
                 repo_id=repo_id,
@@ -534,32 +541,3 @@ def _link_or_copy(source: str, target: str) -> None:
         os.link(source, target)
     except OSError:  # a filesystem without hard links
         shutil.copy2(source, target)
-
-
-def write_graft_card_section(model: PeftModel, folder: str) -> None:
-    """Add the graft tags and a section with entries and sparsity per adapter to ``folder/README.md``."""
-    path = os.path.join(folder, "README.md")
-    card = ModelCard.load(path) if os.path.isfile(path) else ModelCard("")
-    card.data.library_name = card.data.library_name or "peft"
-    card.data.tags = sorted(set(card.data.tags or []) | set(CARD_TAGS))
-    rows = []
-    for name, config in model.peft_config.items():
-        if str(config.peft_type).lower().endswith(GRAFT_NAME):
-            stats = model.base_model.graft_stats(name)
-            rows.append(f"| {name} | {stats.num_entries} | {stats.sparsity:.6%} | {config.region} |")
-    section = "\n".join(
-        [
-            CARD_SECTION,
-            "",
-            "Skill localization by model grafting (Panigrahi et al., ICML 2023): the adapter stores only",
-            "`gamma * (theta_ft - theta_pre)` on a sparse region, as indices and fp32 values. Load it with",
-            "`import peft_graft` and `PeftModel.from_pretrained(base_model, path)`.",
-            "",
-            "| adapter | grafted entries | sparsity | region |",
-            "| --- | --- | --- | --- |",
-            *rows,
-        ]
-    )
-    text = card.text.split(CARD_SECTION)[0].rstrip()
-    card.text = f"{text}\n\n{section}\n"
-    card.save(path)
