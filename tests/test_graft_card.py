@@ -317,13 +317,24 @@ def test_a_card_the_user_wrote_keeps_its_text_and_the_graft_part_is_replaced_on_
     assert not any(marker in text for marker in NO_TEMPLATE)
 
 
-def test_a_card_with_several_grafts_has_a_section_per_adapter(tmp_path):
+def test_a_card_with_several_grafts_has_a_section_per_saved_adapter(tmp_path):
     pre, finetuned, _ = make_pair("gpt2")
-    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=40), adapter_name="first")
+    pre.save_pretrained(tmp_path / "base")
+    base = type(pre).from_pretrained(tmp_path / "base")
+    model = get_peft_model(base, GraftConfig(finetuned=finetuned, num_entries=40), adapter_name="first")
     model.add_adapter("second", GraftConfig(finetuned=finetuned, num_entries=60, region="random"))
-    model.save_pretrained(tmp_path / "g")
-    text = card_parts(tmp_path / "g")[1]
+    model.save_pretrained(tmp_path / "all")
+    text = card_parts(tmp_path / "all")[1]
     assert "## Adapter `first`" in text and "## Adapter `second`" in text
     assert "| Grafted entries | 40 |" in text and "| Grafted entries | 60 |" in text
     assert "Chosen by the `random` strategy (60 entries), not learned." in text
-    assert 'adapter_name="first"' in code_block(text)
+    model.save_pretrained(tmp_path / "one", selected_adapters=["second"])
+    text = card_parts(tmp_path / "one")[1]
+    assert "| Grafted entries | 40 |" not in text and "| Grafted entries | 60 |" in text
+    snippet = code_block(text)
+    assert 'subfolder="second", adapter_name="second"' in snippet
+    namespace: dict = {}
+    exec(snippet, namespace)  # loads the graft from its sub-folder, as written
+    model.set_adapter("second")
+    with torch.no_grad():
+        assert torch.equal(namespace["model"](input_ids=input_ids()).logits, model(input_ids=input_ids()).logits)

@@ -51,18 +51,18 @@ def card_location(location: str):
         _location.reset(token)
 
 
-def write_graft_card(model, folder: str, destination: str | None = None) -> None:
+def write_graft_card(model, folder: str, destination: str | None = None, adapters: list[str] | None = None) -> None:
     """Write the graft's card into ``folder/README.md`` (peft's card there, if any, gives its metadata).
 
     ``destination``: where the folder ends up (the save directory), named in the load snippet unless a push named a
-    repository (:func:`card_location`).
+    repository (:func:`card_location`). ``adapters``: the adapters saved (``selected_adapters``; default: all).
     """
     path = os.path.join(folder, "README.md")
     card = ModelCard.load(path) if os.path.isfile(path) else ModelCard("")
     card.data.library_name = card.data.library_name or "peft"
     card.data.tags = sorted(set(card.data.tags or []) | set(CARD_TAGS))
     location = _location.get() or destination or folder
-    section = "\n".join([CARD_START, graft_card_text(model, location, card.data.base_model), CARD_END])
+    section = "\n".join([CARD_START, graft_card_text(model, location, card.data.base_model, adapters), CARD_END])
     card.text = f"{_user_text(card.text)}\n\n{section}\n".lstrip("\n")
     card.save(path)
 
@@ -79,8 +79,9 @@ def _user_text(text: str) -> str:
     return text.strip()
 
 
-def graft_card_text(model, location: str, base_model: Any = None) -> str:
-    """The markdown of a graft's card for the ``PeftModel`` ``model``; ``location``: the folder or repository id."""
+def graft_card_text(model, location: str, base_model: Any = None, adapters: list[str] | None = None) -> str:
+    """The markdown of a graft's card for the ``PeftModel`` ``model``; ``location``: the folder or repository id;
+    ``adapters``: the graft adapters to describe (default: all)."""
     import peft
     import transformers
 
@@ -88,6 +89,7 @@ def graft_card_text(model, location: str, base_model: Any = None) -> str:
     base = model.get_base_model()
     base_name = base_model or getattr(getattr(base, "config", None), "_name_or_path", "") or ""
     graft_names = [name for name, config in model.peft_config.items() if _is_graft(config)]
+    graft_names = [name for name in graft_names if adapters is None or name in adapters]
     lines = [
         f"# Graft of {base_name or 'a pre-trained model'}",
         "",
@@ -194,8 +196,8 @@ def _placement_text(stats) -> list[str]:
 def _usage_text(model_class: str | None, base_name: str, location: str, graft_names: list[str]) -> list[str]:
     """The load snippet; ``model_class``: the base's transformers class (``None``: not a transformers model)."""
     extra = ""
-    if graft_names and graft_names[0] != "default":
-        extra = f', adapter_name="{graft_names[0]}"'
+    if graft_names and graft_names[0] != "default":  # peft saves it in a sub-folder named after it
+        extra = f', subfolder="{graft_names[0]}", adapter_name="{graft_names[0]}"'
     if model_class is None:
         loading = ["base = ...  # the pre-trained model the graft was made from"]
     else:

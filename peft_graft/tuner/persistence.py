@@ -91,7 +91,8 @@ def wrap_save(original):
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
                         record_weights_checksum(root)
-                write_graft_card(self, staging, given_directory)
+                selected = kwargs.get("selected_adapters", args[1] if len(args) > 1 else None)
+                write_graft_card(self, staging, given_directory, selected)
                 _move_into_place(staging, save_directory)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
