@@ -118,7 +118,7 @@ class DataArguments(DatasetArguments):
     train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
     validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
     validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
-    k_shot: int | None = field(default=16, metadata={"help": "Training examples per class (None: all)."})
+    k_shot: int | None = field(default=16, metadata={"help": "Training examples per class (0 or None: all of them)."})
     k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
     max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
 
@@ -216,7 +216,7 @@ def load_splits(
         data_args.label_column,
     )
     label_names = label_names or label_names_of(frame)
-    train = k_shot(encode_labels(frame, label_names), data_args.k_shot, data_args.k_shot_seed)
+    train = k_shot(encode_labels(frame, label_names), data_args.k_shot or None, data_args.k_shot_seed)
     logger.info(
         "Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot, data_args.k_shot_seed
     )

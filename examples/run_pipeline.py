@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     train, per_class = k_shot_sample(data["train"], settings["k_shot"], args.seed, work / "data")
     logger.info("Training examples per class: %s", per_class)
-    sample = ["--k_shot", str(settings["k_shot"]), "--k_shot_seed", str(args.seed)] if train is None else []
+    k = settings["k_shot"] if train is None else 0  # 0: the sample file whole
+    sample = ["--k_shot", str(k), "--k_shot_seed", str(args.seed)]
     data_args = ["--dataset_name_or_path", train or data["train"], *sample,
                  "--max_seq_length", str(settings["max_seq_length"])]  # fmt: skip
     pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU

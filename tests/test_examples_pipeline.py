@@ -128,3 +128,14 @@ def test_a_step_that_raises_leaves_no_mark(tmp_path):
     with pytest.raises(RuntimeError):
         run_pipeline.resumable_step(Failing(), str(tmp_path), ["--x"])
     assert not (tmp_path / ".pipeline_done").exists()
+
+
+def test_k_shot_0_trains_on_the_whole_file(tmp_path):
+    """How the pipeline hands the scripts a sample file with a short class: ``--k_shot 0`` takes every row."""
+    import example_utils as U
+
+    pool = _pool(tmp_path, {0: 9, 1: 4})
+    train, _, labels = U.load_splits(U.DataArguments(dataset_name_or_path=pool, k_shot=0))
+    assert len(train) == 13 and len(labels) == 2
+    with pytest.raises(ValueError, match="exceeds the number of examples"):
+        U.load_splits(U.DataArguments(dataset_name_or_path=pool, k_shot=5))
