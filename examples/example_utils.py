@@ -9,12 +9,15 @@ a local folder or a Hub model id. Local tables are read with pandas (no ``load_d
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
 import logging
 import os
+import re
 import shlex
+import shutil
 import sys
 import warnings
 from contextlib import contextmanager
@@ -36,8 +39,11 @@ from transformers import (
     DataCollatorWithPadding,
     PreTrainedTokenizerBase,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from peft_graft.prompting import LabelWordClassifier, label_word_ids
 
@@ -45,6 +51,14 @@ logger = logging.getLogger(__name__)
 
 HEADS = ("classification", "mlm_prompt", "causal_prompt")
 TABLE_SUFFIXES = {".csv": ",", ".tsv": "\t", ".txt": "\t"}
+DATA_FILE_SUFFIXES = (*TABLE_SUFFIXES, ".json", ".jsonl", ".parquet")
+# The text column read when --text_column is not given, in this order (run_glue's habit: 'sentence' or 'text').
+TEXT_COLUMNS = ("text", "sentence")
+# --preset: 'paper' is the paper's few-shot setting (appendix A.2), 'none' leaves the user's data and transformers'
+# TrainingArguments as they are. Each script says what its presets set (PRESETS in run_finetune.py / run_graft.py).
+PRESET_NAMES = ("paper", "none")
+PAPER_K_SHOT = 16
+PREDICTIONS_FILE = "predict_results.txt"
 # Tab-separated text files are read as plain UTF-8 lines split at tabs: their texts may hold unbalanced '"' characters,
 # which csv quoting would join across lines.
 UNQUOTED_SUFFIXES = (".tsv", ".txt")
@@ -103,24 +117,131 @@ class DatasetArguments:
     """How to read every dataset argument: the Hub config and the two columns."""
 
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. 'sst2'."})
-    text_column: str = field(default="text", metadata={"help": "Column with the sentence ('sentence' for SST-2)."})
-    label_column: str = field(default="label", metadata={"help": "Column with the label."})
+    text_column: str | None = field(
+        default=None,
+        metadata={"help": "Column with the text. Default: 'text', else 'sentence' (whichever the data has)."},
+    )
+    label_column: str = field(
+        default="label", metadata={"help": "Column with the label (any values: class names are its sorted values)."}
+    )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate every evaluation set."})
 
 
 @dataclass(kw_only=True)
 class DataArguments(DatasetArguments):
-    """The training data (k-shot sampled) and an optional validation set, for fine-tuning and mask training."""
+    """The training data (k-shot sampled or whole), an optional validation set and an optional test set to predict.
 
-    dataset_name_or_path: str = field(
-        metadata={"help": "Training data: local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id ('glue')."}
+    The training data is either your own file (``--train_file``, run_glue's flags) or any dataset argument
+    (``--dataset_name_or_path``); ``--preset`` (see each script) says whether the paper's k-shot sample applies.
+    """
+
+    dataset_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Training data: local csv/tsv/json(l)/parquet, save_to_disk folder or Hub id ('glue'). Default "
+            "preset: paper (k-shot sample). Give this or --train_file."
+        },
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Your own training data: a CSV or JSON lines file (.csv, .tsv, .json, .jsonl, .parquet) with a "
+            "text column ('text' or 'sentence', or --text_column) and a label column ('label', or --label_column). "
+            "Used whole unless --k_shot is given (default preset: none). Give this or --dataset_name_or_path."
+        },
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Your own validation file (columns as --train_file); evaluated after training."}
+    )
+    test_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "File to predict with --do_predict (columns as --train_file; the label column is optional): "
+            f"writes {PREDICTIONS_FILE} (index and predicted label), and predict_results.json when it has labels."
+        },
+    )
+    preset: str | None = field(
+        default=None,
+        metadata={
+            "help": "'paper': the paper's few-shot settings (appendix A.2; the default with --dataset_name_or_path); "
+            "'none': your data whole and transformers' defaults (the default with --train_file). Flags given "
+            "explicitly win over the preset.",
+            "choices": PRESET_NAMES,
+        },
     )
     train_split: str = field(default="train", metadata={"help": "Split of a Hub/on-disk dataset to train on."})
     validation_dataset: str | None = field(default=None, metadata={"help": "Optional evaluation set (same forms)."})
     validation_split: str = field(default="validation", metadata={"help": "Split of validation_dataset."})
-    k_shot: int | None = field(default=16, metadata={"help": "Training examples per class (0 or None: all of them)."})
+    k_shot: int | None = field(
+        default=None,
+        metadata={"help": "Training examples per class, sampled with --k_shot_seed (0: all of them). Default: the "
+                  f"preset's (paper: {PAPER_K_SHOT}, none: all)."},
+    )  # fmt: skip
     k_shot_seed: int = field(default=42, metadata={"help": "Seed of the k-shot sample."})
     max_seq_length: int = field(default=64, metadata={"help": "Maximum tokens per example (prompt included)."})
+
+    def __post_init__(self) -> None:
+        if (self.dataset_name_or_path is None) == (self.train_file is None):
+            raise ValueError(
+                "Give the training data once: --train_file (your own CSV or JSON lines file) or --dataset_name_or_path "
+                f"(a file, save_to_disk folder or Hub id); got train_file={self.train_file!r}, "
+                f"dataset_name_or_path={self.dataset_name_or_path!r}."
+            )
+        if self.validation_file is not None and self.validation_dataset is not None:
+            raise ValueError("--validation_file and --validation_dataset both name the validation set: give one.")
+        for name in ("train_file", "validation_file", "test_file"):
+            check_data_file(getattr(self, name), f"--{name}")
+        if self.preset is None:
+            self.preset = "none" if self.train_file is not None else "paper"
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"--preset {self.preset!r}: use one of {PRESET_NAMES}.")
+        if self.k_shot is None:
+            self.k_shot = PAPER_K_SHOT if self.preset == "paper" else 0
+
+    @property
+    def training_data(self) -> str:
+        return self.train_file or self.dataset_name_or_path
+
+    @property
+    def validation_data(self) -> str | None:
+        return self.validation_file or self.validation_dataset
+
+
+def check_data_file(path: str | None, flag: str) -> None:
+    """A ``--train_file``-style argument must be an existing file of a readable kind."""
+    if path is None:
+        return
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {path!r} does not exist: pass an existing CSV or JSON lines file.")
+    if Path(path).suffix.lower() not in DATA_FILE_SUFFIXES:
+        raise ValueError(f"{flag} {path!r}: unsupported suffix; use one of {', '.join(DATA_FILE_SUFFIXES)}.")
+
+
+def preset_of(args: list[str] | None) -> str:
+    """The ``--preset`` given in ``args`` (default ``sys.argv``), else 'none' with ``--train_file`` and 'paper'."""
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    peek.add_argument("--preset", default=None)
+    peek.add_argument("--train_file", default=None)
+    known, _ = peek.parse_known_args(sys.argv[1:] if args is None else args)
+    if known.preset is not None:
+        return known.preset  # an unknown name is refused by the parser's choices
+    return "none" if known.train_file is not None else "paper"
+
+
+def parse_with_preset(parser: argparse.ArgumentParser, args: list[str] | None, presets: dict[str, dict]) -> tuple:
+    """``parser.parse_args_into_dataclasses(args)`` with the defaults of the chosen preset (:func:`preset_of`).
+
+    A preset only moves defaults: every flag given on the command line wins. Progress bars are off by default when
+    stderr (where tqdm draws) is not a terminal, so a redirected log holds no carriage returns or cursor codes;
+    ``--disable_tqdm false`` turns them on.
+    """
+    parser.set_defaults(disable_tqdm=not sys.stderr.isatty(), **presets.get(preset_of(args), {}))
+    return parser.parse_args_into_dataclasses(args)
+
+
+def describe_preset(preset: str, values: dict) -> str:
+    """``"preset 'paper': k_shot=16, optim=sgd, ..."``, for the log."""
+    return f"preset {preset!r}: " + ", ".join(f"{key}={value}" for key, value in values.items())
 
 
 # ------------------------------------------------------------------------------------------------------- logging
@@ -146,6 +267,108 @@ def setup_logging(training_args: TrainingArguments | None, script_logger: loggin
     transformers.utils.logging.set_verbosity(library_level)
     # peft reads PreTrainedModel.is_gradient_checkpointing, which transformers 5 deprecates: nothing to act on here.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+class CompactLogCallback(TrainerCallback):
+    """One log line per Trainer log record instead of the printed dict: the step and a few numbers.
+
+    Training records show their numbers (loss, learning rate, ...); an evaluation shows the step and
+    :attr:`EVAL_KEYS`; the end of training its run time and mean loss. The full records stay in
+    ``trainer_state.json`` and the ``*_results.json`` files.
+    """
+
+    EVAL_KEYS = ("loss", "accuracy", "f1", "ece", "train_plus_eval_accuracy", "train_plus_eval_loss")
+    SKIP_SUFFIXES = ("_runtime", "_per_second", "total_flos", "epoch")
+
+    def __init__(self, script_logger: logging.Logger) -> None:
+        self.logger = script_logger
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        step = f"step {state.global_step}/{state.max_steps}"
+        runtime = next((key for key in logs if key.endswith("_runtime")), None)
+        if "total_flos" in logs:  # the end of training
+            self.logger.info("Training done: %d steps in %.1f s, mean training loss %s", state.global_step,
+                             logs.get("train_runtime", 0.0), _number(logs.get("train_loss")))  # fmt: skip
+        elif runtime is not None:  # an evaluation (prefix eval_, or train_ for MaskTrainer's training-set pass)
+            prefix = runtime.removesuffix("_runtime") + "_"
+            shown = {key: logs[prefix + key] for key in self.EVAL_KEYS if prefix + key in logs}
+            on = "" if prefix == "eval_" else f" on {prefix.rstrip('_')}"
+            self.logger.info("%s evaluation%s: %s", step, on, _numbers(shown))
+        else:
+            shown = {key.removeprefix("eval_"): value for key, value in logs.items()
+                     if "train_plus_eval_" in key or not key.startswith("eval_")}  # fmt: skip
+            skip = self.SKIP_SUFFIXES
+            shown = {k: v for k, v in shown.items() if isinstance(v, (int, float)) and not k.endswith(skip)}
+            if shown:  # (MaskTrainer's record of the evaluated mask's size alone stays in trainer_state.json)
+                self.logger.info("%s: %s", step, _numbers(shown))
+
+
+class _ProgressBar(ProgressCallback):
+    """transformers' progress bar, without the log dicts it writes under the bar."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return
+
+
+def compact_logs(trainer: Trainer, script_logger: logging.Logger) -> Trainer:
+    """Replace the Trainer's printed log dicts (``PrinterCallback``, or those ``ProgressCallback`` writes) by
+    :class:`CompactLogCallback` lines on ``script_logger``; the progress bar stays when tqdm is on."""
+    handler = trainer.callback_handler
+    if any(type(callback) is ProgressCallback for callback in handler.callbacks):
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(_ProgressBar())
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(CompactLogCallback(script_logger))
+    return trainer
+
+
+RESULT_KEYS = ("loss", "accuracy", "f1", "ece", "grafted_entries", "trainable_entries", "selected_step",
+               "selection_p_value", "runtime")  # fmt: skip
+
+
+def log_results(script_logger: logging.Logger, split: str, metrics: dict, output_dir: str | os.PathLike) -> None:
+    """One line with the main numbers of ``metrics`` (all of them are in ``<split>_results.json``), instead of
+    ``Trainer.log_metrics``' block."""
+    shown = {k: v for k, v in metrics.items() if k.endswith(RESULT_KEYS) and isinstance(v, (int, float))}
+    path = Path(output_dir, f"{split}_results.json")
+    script_logger.info("%s results (all %d in %s): %s", split, len(metrics), path, _numbers(shown))
+
+
+def _number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _numbers(values: dict) -> str:
+    return ", ".join(f"{key} {_number(value)}" for key, value in values.items())
+
+
+# ------------------------------------------------------------------------------------------------------- files
+SHELL_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def shell_safe(name: str) -> str:
+    """``name`` as a file-name part a shell takes unquoted: runs of other characters become ``_`` (``"MR (in-dist)"``
+    -> ``"MR_in-dist"``)."""
+    safe = SHELL_UNSAFE.sub("_", name).strip("_")
+    return safe or "_"
+
+
+def remove_checkpoints(output_dir: str | os.PathLike, script_logger: logging.Logger) -> list[str]:
+    """Delete the ``checkpoint-N`` folders a Trainer wrote in ``output_dir`` (once the run has saved its result, they
+    only served resuming); returns their names."""
+    pattern = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-\d+")
+    folders = sorted(p for p in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if pattern.fullmatch(p.name))
+    size = sum(f.stat().st_size for folder in folders for f in folder.rglob("*") if f.is_file())
+    for folder in folders:
+        shutil.rmtree(folder)
+    if folders:
+        script_logger.info("Removed %d checkpoint(s) of this run (%s, %.1f MB); --keep_checkpoints keeps them",
+                           len(folders), ", ".join(f.name for f in folders), size / 2**20)  # fmt: skip
+    return [folder.name for folder in folders]
 
 
 # ------------------------------------------------------------------------------------------------------- task set-up
@@ -207,9 +430,10 @@ def modules_to_save(setup: TaskSetup) -> list[str] | None:
 def load_splits(
     data_args: DataArguments, label_names: list[str] | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame | None, list[str]]:
-    """The k-shot training frame, the optional evaluation frame and the class names (from the training labels)."""
+    """The training frame (k-shot sample, or whole), the optional evaluation frame and the class names (from the
+    training labels)."""
     frame = read_table(
-        data_args.dataset_name_or_path,
+        data_args.training_data,
         data_args.train_split,
         data_args.dataset_config_name,
         data_args.text_column,
@@ -217,13 +441,15 @@ def load_splits(
     )
     label_names = label_names or label_names_of(frame)
     train = k_shot(encode_labels(frame, label_names), data_args.k_shot or None, data_args.k_shot_seed)
-    logger.info(
-        "Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot, data_args.k_shot_seed
-    )
+    if data_args.k_shot:
+        logger.info("Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot,
+                    data_args.k_shot_seed)  # fmt: skip
+    else:
+        logger.info("Training set: %d examples (all of %s)", len(train), data_args.training_data)
     evaluation = None
-    if data_args.validation_dataset is not None:
+    if data_args.validation_data is not None:
         evaluation = read_table(
-            data_args.validation_dataset,
+            data_args.validation_data,
             data_args.validation_split,
             data_args.dataset_config_name,
             data_args.text_column,
@@ -235,6 +461,45 @@ def load_splits(
     return train, evaluation, label_names
 
 
+def load_test(data_args: DataArguments, label_names: list[str], do_predict: bool) -> pd.DataFrame | None:
+    """The ``--test_file`` frame (text, and label ids when the file has the label column); None without one.
+
+    ``--do_predict`` and ``--test_file`` go together, as in run_glue.
+    """
+    if data_args.test_file is None:
+        if do_predict:
+            raise ValueError("--do_predict needs --test_file: the file whose labels to predict.")
+        return None
+    if not do_predict:
+        raise ValueError(f"--test_file {data_args.test_file!r} is read only to predict: add --do_predict.")
+    frame = read_table(data_args.test_file, text_column=data_args.text_column, label_column=data_args.label_column,
+                       label_required=False)  # fmt: skip
+    return encode_labels(frame, label_names) if "label" in frame else frame
+
+
+def predict_and_save(trainer: Trainer, frame: pd.DataFrame, tokenizer, setup: TaskSetup, output_dir: str) -> dict:
+    """Predict ``frame`` (:func:`load_test`) with ``trainer``; write run_glue's ``predict_results.txt`` (index, the
+    predicted class name) and, when the file has labels, the metrics to ``predict_results.json``."""
+    dataset = tokenize(frame, tokenizer, setup)
+    output = trainer.predict(dataset, metric_key_prefix="predict")
+    predictions = np.asarray(output.predictions).argmax(-1)
+    path = write_predictions(Path(output_dir, PREDICTIONS_FILE), predictions, setup.label_names)
+    metrics = {}
+    if "label" in frame:
+        metrics = {k: v for k, v in output.metrics.items() if isinstance(v, (int, float))}
+        trainer.save_metrics("predict", metrics)
+    logger.info("Predictions of %d examples written to %s", len(predictions), path)
+    return metrics
+
+
+def write_predictions(path: str | os.PathLike, predictions, label_names: list[str]) -> Path:
+    """run_glue's prediction file: a header ``index\tprediction``, then one line per example with its class name."""
+    path = Path(path)
+    lines = ["index\tprediction"] + [f"{i}\t{label_names[int(p)]}" for i, p in enumerate(predictions)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def _looks_like_path(name: str) -> bool:
     return os.sep in name or name.startswith(".") or Path(name).suffix.lower() in {*TABLE_SUFFIXES, ".json", ".jsonl"}
 
@@ -243,10 +508,15 @@ def read_table(
     name_or_path: str,
     split: str = "train",
     dataset_config_name: str | None = None,
-    text_column: str = "text",
+    text_column: str | None = None,
     label_column: str = "label",
+    label_required: bool = True,
 ) -> pd.DataFrame:
-    """A dataset as a DataFrame with columns ``text`` and ``label`` (raw label values, not yet mapped to ids)."""
+    """A dataset as a DataFrame with columns ``text`` and ``label`` (raw label values, not yet mapped to ids).
+
+    ``text_column=None`` reads 'text', else 'sentence'. ``label_required=False``: a file without the label column
+    gives a frame with ``text`` alone (a test set to predict).
+    """
     path = Path(name_or_path)
     if path.is_file():
         suffix = path.suffix.lower()
@@ -255,7 +525,7 @@ def read_table(
         elif suffix in TABLE_SUFFIXES:
             frame = pd.read_csv(path, sep=TABLE_SUFFIXES[suffix])
         elif suffix in (".json", ".jsonl"):
-            frame = pd.read_json(path, lines=suffix == ".jsonl")
+            frame = _read_json(path)
         elif suffix == ".parquet":
             frame = pd.read_parquet(path)
         else:
@@ -275,14 +545,32 @@ def read_table(
                 f"Could not load dataset {name_or_path!r} (config {dataset_config_name!r}, split {split!r}): it is "
                 f"neither a local file or folder nor a reachable Hub dataset ({type(error).__name__}: {error})."
             ) from error
-    missing = [c for c in (text_column, label_column) if c not in frame.columns]
+    if text_column is None:
+        text_column = next((c for c in TEXT_COLUMNS if c in frame.columns), TEXT_COLUMNS[0])
+    columns = [text_column] + ([label_column] if label_required or label_column in frame.columns else [])
+    missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise ValueError(
             f"Dataset {name_or_path!r} has no column(s) {missing}; its columns are {list(frame.columns)}. Set "
-            "--text_column and --label_column."
+            "--text_column and --label_column (defaults: 'text' or 'sentence', and 'label')."
         )
-    frame = frame[[text_column, label_column]].rename(columns={text_column: "text", label_column: "label"})
+    frame = frame[columns].rename(columns={text_column: "text", label_column: "label"})
     return frame.dropna().reset_index(drop=True)
+
+
+def _read_json(path: Path) -> pd.DataFrame:
+    """A ``.json`` file holding one JSON array or object, or JSON lines (as ``load_dataset("json")`` reads both)."""
+    try:
+        if path.suffix.lower() == ".jsonl":
+            return pd.read_json(path, lines=True)
+        try:
+            return pd.read_json(path)
+        except ValueError:
+            return pd.read_json(path, lines=True)
+    except ValueError as error:
+        raise ValueError(
+            f"{str(path)!r} is neither JSON lines (an object per line) nor one JSON table: {error}"
+        ) from error
 
 
 def read_tab_separated(path: str | os.PathLike) -> pd.DataFrame:
@@ -330,7 +618,8 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, text: str, setup: TaskSetup)
 
 
 def tokenize(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, setup: TaskSetup) -> Dataset:
-    """A tokenized ``Dataset`` (input_ids, attention_mask[, token_type_ids], labels), sorted by nothing."""
+    """A tokenized ``Dataset`` (input_ids, attention_mask[, token_type_ids], labels), sorted by nothing; without
+    ``labels`` when ``frame`` has no label column (a test set to predict)."""
     if setup.head == "classification":
         texts = frame["text"].astype(str).tolist()
         encoded = tokenizer(texts, truncation=True, max_length=setup.max_seq_length)
@@ -338,14 +627,19 @@ def tokenize(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, setup: Tas
         texts = [prompt_text(tokenizer, t, setup) for t in frame["text"].astype(str)]
         encoded = tokenizer(texts, truncation=False)
     columns = {key: list(values) for key, values in encoded.items()}
-    columns["labels"] = frame["label"].astype(int).tolist()
+    if "label" in frame:
+        columns["labels"] = frame["label"].astype(int).tolist()
     return Dataset.from_dict(columns)
 
 
 def by_length(dataset: Dataset) -> Dataset:
     """The dataset sorted by length (less padding when predicting; order does not matter for the metrics)."""
-    order = np.argsort([len(ids) for ids in dataset["input_ids"]], kind="stable")
-    return dataset.select(order.tolist())
+    return dataset.select(length_order(dataset).tolist())
+
+
+def length_order(dataset: Dataset) -> np.ndarray:
+    """The positions of ``dataset``'s examples, shortest first (stable): :func:`by_length`'s order."""
+    return np.argsort([len(ids) for ids in dataset["input_ids"]], kind="stable")
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -460,8 +754,13 @@ class Predictor:
 
     def __call__(self, model: torch.nn.Module, dataset) -> np.ndarray:
         model.eval()
+        work_dir = Path(self.args.output_dir)
+        existed = work_dir.exists()
         trainer = Trainer(model=model, args=self.args, data_collator=self.collator)
-        return np.asarray(trainer.predict(dataset).predictions, dtype=np.float64)
+        logits = np.asarray(trainer.predict(dataset).predictions, dtype=np.float64)
+        if not existed and work_dir.is_dir() and not any(work_dir.iterdir()):  # the Trainer's empty output_dir
+            work_dir.rmdir()
+        return logits
 
 
 def pretrained_with_head(pre: str, setup: TaskSetup, tokenizer, finetuned) -> torch.nn.Module:

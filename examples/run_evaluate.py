@@ -40,7 +40,14 @@ Writes into ``--report_dir``:
   with FT %; with ``--f1`` an F1 % column after accuracy), the fitted temperatures, the sweep table and the run
   times;
 * ``reliability_<model>_<set>.png`` (``fine-tuned`` and ``graft``, the first graft, and with a temperature set
-  ``fine-tuned_TS`` and ``graft_TS``), ``graft_locations.png`` and ``sweep_accuracy.png``.
+  ``fine-tuned_TS`` and ``graft_TS``; the set's name made shell-friendly: ``MR (in-dist)`` -> ``MR_in-dist``),
+  ``graft_locations.png`` and ``sweep_accuracy.png``;
+* with ``--do_predict``: ``predict_results.csv``, every model's predicted label on ``--test_file`` (columns ``index``,
+  the example's position in the file, ``label``, then one per model).
+
+Your own files (run_glue's flags): ``--validation_file`` and ``--test_file`` are evaluation sets named ``validation``
+and ``test`` (CSV or JSON lines, columns as ``--text_column``/``--label_column``: 'text' or 'sentence', and 'label'),
+beside or instead of ``--eval_datasets``.
 
 Example::
 
@@ -62,6 +69,7 @@ from pathlib import Path
 
 import example_utils as U  # examples/ is on sys.path when a script there runs
 import numpy as np
+import pandas as pd
 import torch
 from matplotlib.figure import Figure
 from peft import PeftModel, get_peft_model
@@ -73,6 +81,9 @@ from peft_graft.calibration import calibration_report, f1_score, fit_temperature
 logger = logging.getLogger(__name__)
 
 TS = " + TS"
+VALIDATION, TEST = "validation", "test"
+"""The names of the ``--validation_file`` and ``--test_file`` evaluation sets."""
+PREDICTIONS_FILE = "predict_results.csv"
 """Suffix of a temperature-scaled model's name."""
 BASELINES = (("movement", "top-k movement"), ("random", "random"))
 """(GraftConfig region, model kind) of the baseline regions evaluated at every graft size."""
@@ -91,7 +102,24 @@ class EvaluateArguments:
             "figures). Each is compared with the top-k movement and a random region of its size."
         }
     )
-    eval_datasets: list[str] = field(metadata={"help": "Evaluation sets: local files/folders or Hub ids."})
+    eval_datasets: list[str] | None = field(
+        default=None, metadata={"help": "Evaluation sets: local files/folders or Hub ids (or --validation_file)."}
+    )
+    validation_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Your own evaluation file, named 'validation': CSV or JSON lines with a text column ('text' or "
+            "'sentence', or --text_column) and a label column ('label', or --label_column)."
+        },
+    )
+    test_file: str | None = field(
+        default=None,
+        metadata={"help": "Your own test file, named 'test' (columns as --validation_file); --do_predict predicts it."},
+    )
+    do_predict: bool = field(
+        default=False,
+        metadata={"help": "Write predict_results.csv: every model's predicted label on --test_file, in file order."},
+    )
     eval_names: list[str] | None = field(default=None, metadata={"help": "A name per evaluation set."})
     eval_split: str = field(default="validation", metadata={"help": "Split of Hub/on-disk evaluation sets."})
     temperature_dataset: str | None = field(
@@ -267,7 +295,7 @@ def summary_markdown(results: dict) -> str:
                 lines.append(_row(info.get("label", name), entries, reports[name], f1))
         lines.append("")
     stats = results["graft_stats"]
-    grafts = ", ".join(f"{g['num_entries']:,} entries ({100 * g['sparsity']:.4f}%, {Path(g['dir']).name}"
+    grafts = ", ".join(f"{g['num_entries']:,} entries ({100 * g['fraction_of_parameters']:.4f}%, {Path(g['dir']).name}"
                        f"{_selection_note(g)})" for g in results.get("grafts", []))  # fmt: skip
     lines += [
         f"Learned grafts: {grafts}. Sparsity = grafted entries / all {stats['num_parameters']:,} parameters; stored "
@@ -328,11 +356,7 @@ def main(args: list[str] | None = None) -> dict:
     model_args, dataset_args, eval_args = parser.parse_args_into_dataclasses(args)
     U.setup_logging(None, logger)
     start = time.perf_counter()
-    names = eval_args.eval_names or [Path(d).stem for d in eval_args.eval_datasets]
-    if len(names) != len(eval_args.eval_datasets):
-        raise ValueError(f"eval_names has {len(names)} names for {len(eval_args.eval_datasets)} eval_datasets.")
-    if len(set(names)) != len(names):
-        raise ValueError(f"eval_names must be distinct, got {names}.")
+    eval_paths, names = evaluation_sets(eval_args)
     report_dir = Path(eval_args.report_dir)
 
     # The task set-up saved by run_finetune.py and the data.
@@ -350,7 +374,9 @@ def main(args: list[str] | None = None) -> dict:
     report_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = U.load_tokenizer(ft, setup.head)
 
-    def load_set(path: str):
+    rows_of: dict[str, np.ndarray] = {}  # evaluation set -> each example's row in its file (the sorted order)
+
+    def load_set(path: str, name: str | None = None):
         frame = U.read_table(
             path,
             eval_args.eval_split,
@@ -361,9 +387,13 @@ def main(args: list[str] | None = None) -> dict:
         frame = U.encode_labels(frame, setup.label_names)
         if dataset_args.max_eval_samples is not None:
             frame = frame.sample(frac=1.0, random_state=0).iloc[: dataset_args.max_eval_samples]
-        return U.by_length(U.tokenize(frame, tokenizer, setup))
+        dataset = U.tokenize(frame, tokenizer, setup)
+        order = U.length_order(dataset)
+        if name is not None:
+            rows_of[name] = frame.index.to_numpy()[order]
+        return dataset.select(order.tolist())
 
-    datasets = {name: load_set(path) for name, path in zip(names, eval_args.eval_datasets, strict=True)}
+    datasets = {name: load_set(path, name) for name, path in zip(names, eval_paths, strict=True)}
     for name, dataset in datasets.items():
         logger.info("Evaluation set %s: %d examples", name, len(dataset))
     temperature_data = None
@@ -411,8 +441,8 @@ def main(args: list[str] | None = None) -> dict:
         if name in models:  # two grafts of one size: tell them apart by position in --graft_dirs
             name, label = f"{name} #{len(grafts) + 1}", f"learned #{len(grafts) + 1}"
         predict_all(name, model, "learned", k, label)
-        grafts.append({"name": name, "dir": str(directory), "num_entries": k, "sparsity": stats.sparsity,
-                       **_selection_of(directory)})  # fmt: skip
+        grafts.append({"name": name, "dir": str(directory), "num_entries": k,
+                       "fraction_of_parameters": stats.fraction_of_parameters, **_selection_of(directory)})  # fmt: skip
         del model
         free_memory()
     graft_sizes = sorted({g["num_entries"] for g in grafts})
@@ -498,7 +528,7 @@ def main(args: list[str] | None = None) -> dict:
         for name, values in figures.items():
             title = f"{name.replace('_TS', TS)}, {data}"
             fig = reliability_diagram(values, labels[data], input_type="logits", title=title)
-            save_figure(fig, report_dir / f"reliability_{name}_{data}.png")
+            save_figure(fig, report_dir / f"reliability_{name}_{U.shell_safe(data)}.png")
 
     location_fig = plot_locations(main_stats.per_layer, main_stats.per_module_type,
                                   f"Where the {main_stats.num_entries:,} grafted entries sit")  # fmt: skip
@@ -510,15 +540,14 @@ def main(args: list[str] | None = None) -> dict:
         "metrics": metrics,
         "models": {row: info for row, (_, info) in rows.items()},
         "eval_sets": {
-            name: {"path": path, "examples": len(datasets[name])}
-            for name, path in zip(names, eval_args.eval_datasets, strict=True)
+            name: {"path": path, "examples": len(datasets[name])} for name, path in zip(names, eval_paths, strict=True)
         },
         "grafts": grafts,
         "compare_models": compared,
         "graft_stats": {
             "num_entries": main_stats.num_entries,
             "num_parameters": main_stats.num_parameters,
-            "sparsity": main_stats.sparsity,
+            "fraction_of_parameters": main_stats.fraction_of_parameters,
             "modules_to_save_parameters": main_stats.modules_to_save_parameters,
             "per_layer": {str(k): v for k, v in main_stats.per_layer.items()},
             "per_module_type": main_stats.per_module_type,
@@ -539,8 +568,52 @@ def main(args: list[str] | None = None) -> dict:
     results["timings"] = timings
     (report_dir / "results.json").write_text(json.dumps(results, indent=2))
     (report_dir / "summary.md").write_text(summary_markdown(results))
+    if eval_args.do_predict:
+        path = write_predictions(report_dir / PREDICTIONS_FILE, logits[TEST], order, rows_of[TEST], setup.label_names,
+                                 labels[TEST])  # fmt: skip
+        logger.info("Predictions of %d models on %s written to %s", len(order), eval_args.test_file, path)
     logger.info("Report written to %s", report_dir)
     return results
+
+
+def evaluation_sets(eval_args: EvaluateArguments) -> tuple[list[str], list[str]]:
+    """The evaluation sets' paths and names: ``--eval_datasets`` (named by ``--eval_names`` or their stems), then
+    ``--validation_file`` and ``--test_file``; checked before any model is loaded."""
+    paths = list(eval_args.eval_datasets or [])
+    names = eval_args.eval_names or [Path(d).stem for d in paths]
+    if len(names) != len(paths):
+        raise ValueError(f"eval_names has {len(names)} names for {len(paths)} eval_datasets.")
+    for flag, name in (("validation_file", VALIDATION), ("test_file", TEST)):
+        path = getattr(eval_args, flag)
+        U.check_data_file(path, f"--{flag}")
+        if path is not None:
+            paths.append(path)
+            names.append(name)
+    if not paths:
+        raise ValueError("Nothing to evaluate: give --eval_datasets, --validation_file or --test_file.")
+    if eval_args.do_predict and eval_args.test_file is None:
+        raise ValueError("--do_predict needs --test_file: the file whose labels to predict.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval_names must be distinct (with 'validation'/'test' for the files), got {names}.")
+    safe = [U.shell_safe(name) for name in names]
+    if len(set(safe)) != len(safe):
+        raise ValueError(
+            f"eval_names {names} give the same file names {safe} (figure names keep letters, digits, '_', '-', '.'): "
+            "choose names that differ in those."
+        )
+    return paths, names
+
+
+def write_predictions(path: Path, logits: dict[str, np.ndarray], models: list[str], rows: np.ndarray,
+                      label_names: list[str], labels: np.ndarray) -> Path:  # fmt: skip
+    """``predict_results.csv``: per example of the set (in file order) its row, true label and each model's predicted
+    label (the class names)."""
+    names = np.asarray(label_names, dtype=object)
+    ordered = np.argsort(rows, kind="stable")
+    columns = {"index": rows[ordered], "label": names[labels[ordered]]}
+    columns.update({model: names[logits[model].argmax(-1)[ordered]] for model in models})
+    pd.DataFrame(columns).to_csv(path, index=False)
+    return path
 
 
 if __name__ == "__main__":

@@ -25,26 +25,37 @@ pre-trained model:
 Prompt heads have no new head: the LM head is the pre-trained one (frozen by default, as in the paper), so only the
 region or the biases train. ``--freeze_embeddings`` / ``--freeze_lm_head`` still apply on top.
 
-Paper defaults (appendix A.2): SGD (``--optim sgd``, weight decay 1e-4) with frozen embeddings (and frozen LM head for
-prompt-based heads), ``--k_shot`` examples per class sampled with ``--k_shot_seed``, and ``16 x n x min(k, 512)``
-steps when ``--max_steps`` is not given. With AdamW, ``--movement_l1 1e-3`` adds the paper's L1 penalty on
-``|theta - theta_pre|`` (Figure 5), from :class:`peft_graft.MovementL1Trainer`.
+Presets (``--preset``; flags given explicitly win):
+
+* ``paper`` (appendix A.2; the default with ``--dataset_name_or_path``): ``--k_shot 16`` examples per class sampled
+  with ``--k_shot_seed``, SGD (``--optim sgd``, lr 1e-2, weight decay 1e-4, constant schedule, batch 8) with frozen
+  embeddings (and frozen LM head for prompt-based heads), and ``16 x n x min(k, 512)`` steps when ``--max_steps`` is
+  not given (``--paper_steps``).
+* ``none`` (the default with ``--train_file``, your own CSV or JSON lines file): the whole training file and
+  ``TrainingArguments``' own defaults (AdamW, lr 5e-5, linear schedule, 3 epochs), nothing frozen.
+
+With AdamW, ``--movement_l1 1e-3`` adds the paper's L1 penalty on ``|theta - theta_pre|`` (Figure 5), from
+:class:`peft_graft.MovementL1Trainer`.
 
 Writes the model, its tokenizer and ``graft_example.json`` (the task set-up run_graft.py and run_evaluate.py read) to
 ``--output_dir``, with ``train_results.json`` (and ``eval_results.json``) and ``all_results.json``; a restricted run
 also writes ``restricted_training.json`` (the method and its trained-entry counts, which run_evaluate.py reports).
+``--do_predict --test_file`` writes ``predict_results.txt`` (index and predicted label, as run_glue). Checkpoints
+(``--save_strategy steps``) serve resuming and are removed once the model is saved, unless ``--keep_checkpoints``.
 
 Example (offline, packaged assets)::
 
     python examples/run_finetune.py --model_name_or_path <minilm dir> --dataset_name_or_path mr_train.csv \
         --k_shot 64 --output_dir outputs/ft
+    python examples/run_finetune.py --model_name_or_path <minilm dir> --train_file train.csv \
+        --validation_file dev.csv --test_file test.csv --do_predict --output_dir outputs/ft_mine
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import example_utils as U  # examples/ is on sys.path when a script there runs
@@ -60,6 +71,15 @@ from peft_graft.training import LayerRankCallback, freeze_outside, layer_region
 logger = logging.getLogger(__name__)
 SURGICAL_SELECTIONS = ("fim", "fim_bottom", "random")
 FIM_RANKS_FILE = "fim_ranks.json"
+# --preset: the defaults each one gives (k_shot is DataArguments'); 'paper' is FinetuneTrainingArguments' own defaults.
+_TRANSFORMERS_DEFAULTS = {f.name: f.default for f in fields(TrainingArguments)}
+PRESETS = {
+    "paper": dict(optim="sgd", learning_rate=1e-2, weight_decay=1e-4, lr_scheduler_type="constant",
+                  paper_steps=True, freeze_embeddings=True, freeze_lm_head=True),
+    "none": dict(**{key: _TRANSFORMERS_DEFAULTS[key] for key in ("optim", "learning_rate", "weight_decay",
+                                                                  "lr_scheduler_type")},
+                 paper_steps=False, freeze_embeddings=False, freeze_lm_head=False),
+}  # fmt: skip
 
 
 @dataclass
@@ -75,6 +95,12 @@ class FinetuneTrainingArguments(TrainingArguments):
     lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
     logging_steps: float = field(default=20, metadata={"help": "Log every N steps."})
     save_strategy: str = field(default="no", metadata={"help": "The final model is always saved."})
+    save_total_limit: int | None = field(
+        default=1, metadata={"help": "Checkpoints kept on disk while training (the last ones; resuming needs one)."}
+    )
+    keep_checkpoints: bool = field(
+        default=False, metadata={"help": "Keep the checkpoint-N folders once the model is saved (default: removed)."}
+    )
     report_to: str = field(default="none", metadata={"help": "Integrations to report to."})
     paper_steps: bool = field(
         default=True, metadata={"help": "Without --max_steps: 16 x n x min(k, 512) steps (appendix A.2)."}
@@ -221,12 +247,18 @@ def paper_max_steps(num_labels: int, k: int | None) -> int:
 def main(args: list[str] | None = None) -> dict[str, float]:
     """Parse ``args`` (default: ``sys.argv``), fine-tune, save the model, and return the train/eval metrics."""
     parser = HfArgumentParser((U.ModelArguments, U.TaskArguments, U.DataArguments, FinetuneTrainingArguments))
-    model_args, task_args, data_args, training_args = parser.parse_args_into_dataclasses(args)
+    model_args, task_args, data_args, training_args = U.parse_with_preset(parser, args, PRESETS)
     U.setup_logging(training_args, logger)
+    optim = getattr(training_args.optim, "value", training_args.optim)
+    logger.info("Settings of the %s", U.describe_preset(data_args.preset, {
+        "k_shot": data_args.k_shot or "all", "optim": optim, "learning_rate": training_args.learning_rate,
+        "freeze_embeddings": training_args.freeze_embeddings,
+    }))  # fmt: skip
     set_seed(training_args.seed)
 
     # Load the data and the model.
     train_frame, eval_frame, label_names = U.load_splits(data_args)
+    test_frame = U.load_test(data_args, label_names, training_args.do_predict)
     setup = U.task_setup(task_args, label_names, data_args.max_seq_length)
     tokenizer = U.load_tokenizer(model_args.model_name_or_path, setup.head)
     model = U.load_model(model_args.model_name_or_path, setup, tokenizer)
@@ -268,18 +300,20 @@ def main(args: list[str] | None = None) -> dict[str, float]:
 
     # Train.
     if training_args.max_steps <= 0 and training_args.paper_steps:
-        training_args.max_steps = paper_max_steps(setup.num_labels, data_args.k_shot)
+        training_args.max_steps = paper_max_steps(setup.num_labels, data_args.k_shot or None)
         logger.info("max_steps = 16 x n x min(k, 512) = %d (appendix A.2)", training_args.max_steps)
+    labelled_sets = eval_dataset is not None or (test_frame is not None and "label" in test_frame)
     trainer = MovementL1Trainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DataCollatorWithPadding(tokenizer),
-        compute_metrics=make_compute_metrics() if eval_dataset is not None else None,
+        compute_metrics=make_compute_metrics(input_type="logits") if labelled_sets else None,
         movement_l1=training_args.movement_l1,
         callbacks=callbacks,
     )
+    U.compact_logs(trainer, logger)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     # Save.
@@ -301,15 +335,22 @@ def main(args: list[str] | None = None) -> dict[str, float]:
             {"history": history, "rank_correlation_with_step_0": rank_stability(ranks.history)}, indent=2))  # fmt: skip
     logger.info("Saved the fine-tuned model to %s", training_args.output_dir)
     metrics = dict(train_result.metrics, trainable_entries=body + head)
-    trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
+    trainer.save_state()  # trainer_state.json: every logged record (the checkpoints holding it may be removed)
+    U.log_results(logger, "train", metrics, training_args.output_dir)
 
     # Evaluate.
     if eval_dataset is not None:
         eval_metrics = trainer.evaluate()
-        trainer.log_metrics("eval", eval_metrics)
         trainer.save_metrics("eval", eval_metrics)
+        U.log_results(logger, "eval", eval_metrics, training_args.output_dir)
         metrics.update(eval_metrics)
+
+    # Predict.
+    if test_frame is not None:
+        metrics.update(U.predict_and_save(trainer, test_frame, tokenizer, setup, training_args.output_dir))
+    if not training_args.keep_checkpoints:
+        U.remove_checkpoints(training_args.output_dir, logger)
     return metrics
 
 

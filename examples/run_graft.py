@@ -11,13 +11,21 @@ written by run_finetune.py); for other fine-tuned models give ``--head`` (and ``
 A new classification head is saved whole (``modules_to_save=["classifier"]``), outside the sparsity budget.
 
 Writes the graft, its tokenizer, ``graft_example.json``, ``graft_stats.md`` and ``graft_results.json`` (with
-``all_results.json``) to ``--output_dir``. ``--save_steps`` checkpoints hold the scores, for
-``--resume_from_checkpoint``.
+``all_results.json``) to ``--output_dir``; with ``--do_predict --test_file``, the graft's ``predict_results.txt``
+(index and predicted label, as run_glue). ``--save_steps`` checkpoints hold the dense scores, for
+``--resume_from_checkpoint``: the last one is kept while training (``--save_total_limit 1``) and removed once the graft
+is saved, unless ``--keep_checkpoints``.
+
+Presets (``--preset``) only choose the training set here, the mask training's defaults being the paper's: ``paper``
+(the default with ``--dataset_name_or_path``) samples ``--k_shot 16`` examples per class, ``none`` (the default with
+``--train_file``) uses the file whole. Learn the mask on the examples the model was fine-tuned on.
 
 Example::
 
     python examples/run_graft.py --model_name_or_path <pre> --finetuned_model_name_or_path outputs/ft \
         --dataset_name_or_path mr_train.csv --k_shot 64 --sparsity 1e-4 --output_dir outputs/graft
+    python examples/run_graft.py --model_name_or_path <pre> --finetuned_model_name_or_path outputs/ft_mine \
+        --train_file train.csv --validation_file dev.csv --test_file test.csv --do_predict --output_dir outputs/g
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 from peft_graft.calibration import make_compute_metrics
 
 logger = logging.getLogger(__name__)
+# --preset: 'paper' and 'none' differ in the training set only (DataArguments.k_shot); both keep one checkpoint.
+PRESETS = {"paper": {"save_total_limit": 1}, "none": {"save_total_limit": 1}}
 
 
 @dataclass
@@ -83,6 +93,10 @@ class GraftArguments:
             "unbiased when the k-shot training set, which S is fitted to, is balanced and the task is not)."
         },
     )
+    keep_checkpoints: bool = field(
+        default=False,
+        metadata={"help": "Keep the checkpoint-N folders (dense scores S) once the graft is saved (default: removed)."},
+    )
     select_every: int | None = field(
         default=10,
         metadata={
@@ -98,15 +112,17 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     parser = HfArgumentParser(
         (U.GraftModelArguments, U.TaskArguments, U.DataArguments, GraftArguments, MaskTrainingArguments)
     )
-    model_args, task_args, data_args, graft_args, training_args = parser.parse_args_into_dataclasses(args)
+    model_args, task_args, data_args, graft_args, training_args = U.parse_with_preset(parser, args, PRESETS)
     if training_args.report_to in (None, "all") or training_args.report_to == ["all"]:
         training_args.report_to = []
     U.setup_logging(training_args, logger)
+    logger.info("Settings of the %s", U.describe_preset(data_args.preset, {"k_shot": data_args.k_shot or "all"}))
     set_seed(training_args.seed)
 
     # Load the data (classes in the fine-tuned model's order) and the two models.
     saved = U.TaskSetup.load(model_args.finetuned_model_name_or_path)
     train_frame, eval_frame, label_names = U.load_splits(data_args, saved.label_names if saved else None)
+    test_frame = U.load_test(data_args, label_names, training_args.do_predict)
     setup = U.task_setup(task_args, label_names, data_args.max_seq_length, saved)
     tokenizer = U.load_tokenizer(model_args.finetuned_model_name_or_path, setup.head)
     pre = U.load_model(model_args.model_name_or_path, setup, tokenizer)
@@ -147,14 +163,16 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         training_args.select_on_train = on_train
         training_args.metric_for_best_model = f"{'train_plus_eval_' if on_train else ''}{graft_args.select_metric}"
         training_args.greater_is_better = graft_args.select_metric not in ("loss", "nll", "ece", "brier")
+    labelled_sets = eval_dataset is not None or (test_frame is not None and "label" in test_frame)
     trainer = MaskTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DataCollatorWithPadding(tokenizer),
-        compute_metrics=make_compute_metrics() if eval_dataset is not None else None,
+        compute_metrics=make_compute_metrics(input_type="logits") if labelled_sets else None,
     )
+    U.compact_logs(trainer, logger)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     # Save the hard sparse graft.
@@ -164,17 +182,24 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     stats = trainer.model.graft_stats()
     Path(training_args.output_dir, "graft_stats.md").write_text(stats.to_markdown() + "\n")
     logger.info(
-        "Saved the graft to %s: %d entries (sparsity %.4g%%)", training_args.output_dir, stats.num_entries,
-        100 * stats.sparsity,
+        "Saved the graft to %s: %d entries (%.4g%% of all parameters)", training_args.output_dir,
+        stats.num_entries, 100 * stats.fraction_of_parameters,
     )  # fmt: skip
     metrics = {**train_result.metrics, **trainer.mask_report}
-    metrics.update(grafted_entries=stats.num_entries, sparsity=stats.sparsity)
+    metrics.update(grafted_entries=stats.num_entries, fraction_of_parameters=stats.fraction_of_parameters)
 
     # Evaluate the graft.
     if eval_dataset is not None:
         metrics.update(trainer.evaluate())
-    trainer.log_metrics("graft", metrics)
     trainer.save_metrics("graft", metrics)
+    trainer.save_state()  # trainer_state.json: every logged record (the checkpoints holding it are removed)
+    U.log_results(logger, "graft", metrics, training_args.output_dir)
+
+    # Predict with the graft.
+    if test_frame is not None:
+        metrics.update(U.predict_and_save(trainer, test_frame, tokenizer, setup, training_args.output_dir))
+    if not graft_args.keep_checkpoints:
+        U.remove_checkpoints(training_args.output_dir, logger)
     return metrics
 
 

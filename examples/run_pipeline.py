@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--per_device_train_batch_size", str(settings["ft_batch"]),
         "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
         "--learning_rate", str(settings["ft_lr"]), *common,
-    ])  # fmt: skip
+    ], checkpoints=args.many_shot)  # fmt: skip
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
 
     num_parameters = _num_parameters(model)
@@ -248,14 +249,27 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def resumable_step(script, output_dir: str, argv: list[str]) -> None:
+def resumable_step(script, output_dir: str, argv: list[str], checkpoints: bool = False) -> None:
     """``script.main(argv)``, skipped when ``output_dir`` holds the mark of the same step done with the same
-    arguments; the mark is written once the step returns."""
+    arguments; the mark is written once the step returns. With ``checkpoints``, the step saves a Trainer checkpoint
+    every 200 steps (the last one kept) and a new run resumes from the last one."""
     mark = Path(output_dir) / ".pipeline_done"
     if mark.exists() and json.loads(mark.read_text()) == argv:
         logger.info("Skipping python examples/%s.py: done in an earlier run (%s)", script.__name__, mark)
         return
-    U.run_step(script, argv, logger)
+    run = list(argv)
+    if checkpoints:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        run += ["--save_strategy", "steps", "--save_steps", "200", "--save_total_limit", "1"]
+        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        if last is not None:
+            logger.info("Resuming python examples/%s.py from %s", script.__name__, last)
+            run += ["--resume_from_checkpoint", last]
+    U.run_step(script, run, logger)
+    if checkpoints:
+        for folder in Path(output_dir).glob("checkpoint-*"):
+            shutil.rmtree(folder)
     mark.write_text(json.dumps(argv))
 
 

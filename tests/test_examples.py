@@ -266,7 +266,7 @@ def grafted(assets, finetuned, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("head", list(HEAD_ARGS))
 def test_graft_saves_a_loadable_sparse_graft(assets, finetuned, grafted, head):
     results = json.loads(Path(grafted[head], "graft_results.json").read_text())
-    assert results["grafted_entries"] > 0 and results["sparsity"] < 0.02
+    assert results["grafted_entries"] > 0 and results["fraction_of_parameters"] < 0.02
     setup = example_utils.TaskSetup.load(grafted[head])
     tokenizer = example_utils.load_tokenizer(grafted[head], head)
     model = PeftModel.from_pretrained(
@@ -334,8 +334,10 @@ def test_graft_exclude_parameters_keeps_them_out_of_the_region(assets, finetuned
 
 
 def test_graft_resumes_from_its_checkpoint(assets, finetuned, tmp_path):
-    """A run resumed from checkpoint-2 starts at step 2 and ends with the uninterrupted run's graft."""
-    steps = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
+    """A run resumed from checkpoint-2 starts at step 2 and ends with the uninterrupted run's graft (both keep their
+    checkpoints, which a finished run otherwise removes; the whole run keeps two, it keeps one by default)."""
+    steps = ["--max_steps", "4", "--save_steps", "2", "--save_total_limit", "2", "--keep_checkpoints"]
+    steps += ["--logging_steps", "1"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_graft.main(graft_args(assets, finetuned, "classification", whole, *steps))
     checkpoint = whole / "checkpoint-2"

@@ -139,3 +139,16 @@ def test_k_shot_0_trains_on_the_whole_file(tmp_path):
     assert len(train) == 13 and len(labels) == 2
     with pytest.raises(ValueError, match="exceeds the number of examples"):
         U.load_splits(U.DataArguments(dataset_name_or_path=pool, k_shot=5))
+
+
+def test_a_checkpointed_step_resumes_from_its_last_checkpoint_and_cleans_up(tmp_path):
+    step, out = _Step(), tmp_path / "finetuned"
+    (out / "checkpoint-200").mkdir(parents=True)
+    (out / "checkpoint-400").mkdir()
+    run_pipeline.resumable_step(step, str(out), ["--max_steps", "1000"], checkpoints=True)
+    argv = step.calls[0]
+    assert argv[:2] == ["--max_steps", "1000"] and "--save_steps" in argv
+    assert argv[argv.index("--resume_from_checkpoint") + 1] == str(out / "checkpoint-400")
+    assert not list(out.glob("checkpoint-*"))  # done: the checkpoints go
+    run_pipeline.resumable_step(step, str(out), ["--max_steps", "1000"], checkpoints=True)
+    assert len(step.calls) == 1  # the mark holds the step's own arguments, not the resume flags
