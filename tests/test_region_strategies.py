@@ -136,7 +136,7 @@ def test_the_readme_strategy_picks_the_largest_relative_movement(strategy_name):
     pre, finetuned, task_type = make_pair("bert_cls")
 
     @register_region_strategy(strategy_name)
-    def relative_movement(request: RegionRequest) -> Region:  # as in README.md
+    def relative_movement(request: RegionRequest) -> Region:  # as in docs/graft.md
         ratios = {n: d.abs() / (request.pretrained(n).abs() + 1e-8) for n, d in request.movement.items()}
         return global_top_k(ratios, request.budget(request.num_eligible))
 
