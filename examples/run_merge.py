@@ -21,7 +21,7 @@ overlapping entries cost each task (test accuracy with and without them; relativ
 
 Writes ``summary.md``, ``results.json`` and ``merge_accuracy_vs_size.png`` to ``--report_dir``.
 
-    python examples/run_merge.py                     # about 20 minutes on 2 CPU cores
+    python examples/run_merge.py                     # about 30 minutes on 2 CPU cores (24 of them cached after)
     python examples/run_merge.py --smoke             # a few steps of everything
 """
 
@@ -392,17 +392,23 @@ def normalized_accuracy(row: dict, individual: dict, names: list[str]) -> float:
 
 def save_figures(results: dict, report_dir: Path) -> None:
     """Normalized accuracy vs fraction of parameters changed (one point per rule), and the regions' overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     from peft_graft.calibration.plots import _new_figure
 
     merge, names = results["merge"], list(results["individual"])
     figure = _new_figure((640, 420), 100)
     ax = figure.add_subplot()
+    markers = iter("oPsD^vX*")
     for rule, row in merge["test"].items():
         x = 100 * row["entries"] / merge["num_params"]
         y = normalized_accuracy(row, results["individual"], names)
-        ax.scatter([x], [y], s=40, marker="o" if rule.startswith("stitch") else "s")
-        ax.annotate(PRETTY[rule].split(" (")[0], (x, y), textcoords="offset points", xytext=(5, 4), fontsize="small")
+        ax.scatter([x], [y], s=45, marker=next(markers), label=PRETTY[rule].split(" (")[0], alpha=0.85)
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 1, 10, not 10^0, 10^1
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.legend(fontsize="small", loc="best")
     ax.set_xlabel("parameters changed by the merged body (% of all, log scale)")
     ax.set_ylabel("average normalized accuracy (merged / fine-tuned)")
     ax.set_title("Merging MR, TREC, SMS fine-tunes of MiniLM", fontsize="medium")
