@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     data_args = ["--dataset_name_or_path", train or data["train"], *sample,
                  "--max_seq_length", str(settings["max_seq_length"])]  # fmt: skip
     pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU
-    common = ["--seed", str(args.seed), "--disable_tqdm", "false", "--report_to", "none",
-              "--dataloader_pin_memory", pin_memory]  # fmt: skip
+    # (progress bars follow the scripts' default: on in a terminal, off in a redirected log)
+    common = ["--seed", str(args.seed), "--report_to", "none", "--dataloader_pin_memory", pin_memory]
 
     ft_dir = str(work / "finetuned")
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
