@@ -40,6 +40,7 @@ from transformers import DataCollatorWithPadding, HfArgumentParser, IntervalStra
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 from peft_graft.calibration import make_compute_metrics
+from peft_graft.parameter_layout import num_base_parameters
 
 logger = logging.getLogger(__name__)
 # --preset: 'paper' and 'none' differ in the training set only (DataArguments.k_shot); both keep one checkpoint.
@@ -53,7 +54,16 @@ class GraftArguments:
     sparsity: float = field(
         default=1e-4, metadata={"help": "Size of the region as a fraction of the moved parameters (paper: 1e-4)."}
     )
-    base_num_entries: int | None = field(default=None, metadata={"help": "Exact size of gamma_base (over sparsity)."})
+    fraction_of_parameters: float | None = field(
+        default=None,
+        metadata={
+            "help": "Size of the region as a fraction of all parameters of the model (heads included), the paper's "
+            "'0.01%' (1e-4): what the reports call fraction_of_parameters. Overrides --sparsity."
+        },
+    )
+    base_num_entries: int | None = field(
+        default=None, metadata={"help": "Exact size of gamma_base (overrides --sparsity and --fraction_of_parameters)."}
+    )
     region: str = field(
         default="movement",
         metadata={"help": "gamma_base: 'movement' (top-k |theta_ft - theta_pre|, paper), 'random' or 'empty'."},
@@ -106,6 +116,11 @@ class GraftArguments:
         },
     )
 
+    def __post_init__(self) -> None:
+        fraction = self.fraction_of_parameters
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"--fraction_of_parameters {fraction}: give a fraction in (0, 1], e.g. 1e-4 for 0.01%.")
+
 
 def main(args: list[str] | None = None) -> dict[str, float]:
     """Parse ``args`` (default: ``sys.argv``), learn the region, save the graft, and return the metrics."""
@@ -129,10 +144,13 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     finetuned = U.load_model(model_args.finetuned_model_name_or_path, setup, tokenizer)
 
     # The graft model: theta_pre + gamma * (theta_ft - theta_pre), gamma learned from gamma_base.
+    num_entries = graft_args.base_num_entries
+    if num_entries is None and graft_args.fraction_of_parameters is not None:
+        num_entries = max(1, round(graft_args.fraction_of_parameters * num_base_parameters(pre)))
     config = GraftConfig(
         finetuned=finetuned,
         sparsity=graft_args.sparsity,
-        num_entries=graft_args.base_num_entries,
+        num_entries=num_entries,
         region=graft_args.region,
         seed=training_args.seed,
         learn_region=True,

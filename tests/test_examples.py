@@ -324,6 +324,21 @@ def test_graft_selection_alpha_reports_the_sign_test(assets, finetuned, tmp_path
     assert results["selection_p_value"] * results["evaluated_masks"] <= 0.05 or results["selected_step"] == 0
 
 
+def test_graft_fraction_of_parameters_counts_all_parameters(assets, finetuned, tmp_path):
+    """--fraction_of_parameters sizes the region over every parameter of the model (the paper's '0.01%', the reports'
+    fraction_of_parameters), where --sparsity counts the moved entries only; a fraction outside (0, 1] is refused."""
+    run_graft.main(graft_args(assets, finetuned, "classification", tmp_path, "--fraction_of_parameters", "0.003"))
+    results = json.loads(Path(tmp_path, "graft_results.json").read_text())
+    setup = example_utils.TaskSetup.load(str(tmp_path))
+    tokenizer = example_utils.load_tokenizer(str(tmp_path), "classification")
+    pre = example_utils.load_model(assets[HEAD_ARGS["classification"][0]], setup, tokenizer)
+    total = sum(p.numel() for p in pre.parameters())
+    assert results["grafted_entries"] == round(0.003 * total)
+    assert results["fraction_of_parameters"] == pytest.approx(0.003, abs=1 / total)
+    with pytest.raises(ValueError, match="--fraction_of_parameters"):
+        run_graft.main(graft_args(assets, finetuned, "classification", tmp_path / "x", "--fraction_of_parameters", "2"))
+
+
 def test_graft_exclude_parameters_keeps_them_out_of_the_region(assets, finetuned, tmp_path):
     run_graft.main(
         graft_args(assets, finetuned, "classification", tmp_path, "--exclude_parameters", "pooler", "attention")
