@@ -295,10 +295,11 @@ def summary_markdown(results: dict) -> str:
                 lines.append(_row(info.get("label", name), entries, reports[name], f1))
         lines.append("")
     stats = results["graft_stats"]
+    total = stats.get("total_parameters") or stats["num_parameters"]
     grafts = ", ".join(f"{g['num_entries']:,} entries ({100 * g['fraction_of_parameters']:.4f}%, {Path(g['dir']).name}"
                        f"{_selection_note(g)})" for g in results.get("grafts", []))  # fmt: skip
     lines += [
-        f"Learned grafts: {grafts}. Sparsity = grafted entries / all {stats['num_parameters']:,} parameters; stored "
+        f"Learned grafts: {grafts}. % = grafted entries / all {total:,} parameters (heads included); stored "
         f"whole in each graft (new classification head): {stats['modules_to_save_parameters']:,} parameters. "
         "Top-k movement and random: regions of the same size. Agreement: same prediction as the fine-tuned model.",
         "",
@@ -547,6 +548,7 @@ def main(args: list[str] | None = None) -> dict:
         "graft_stats": {
             "num_entries": main_stats.num_entries,
             "num_parameters": main_stats.num_parameters,
+            "total_parameters": main_stats.total_parameters,
             "fraction_of_parameters": main_stats.fraction_of_parameters,
             "modules_to_save_parameters": main_stats.modules_to_save_parameters,
             "per_layer": {str(k): v for k, v in main_stats.per_layer.items()},
