@@ -265,6 +265,9 @@ def setup_logging(training_args: TrainingArguments | None, script_logger: loggin
         logging.getLogger(name).setLevel(own_level)
     datasets.utils.logging.set_verbosity(library_level)
     transformers.utils.logging.set_verbosity(library_level)
+    # transformers' own bars (e.g. "Writing model shards") follow --disable_tqdm: off in a redirected log by default.
+    quiet = training_args.disable_tqdm if training_args is not None else not sys.stderr.isatty()
+    (transformers.utils.logging.disable_progress_bar if quiet else transformers.utils.logging.enable_progress_bar)()
     # peft reads PreTrainedModel.is_gradient_checkpointing, which transformers 5 deprecates: nothing to act on here.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
@@ -365,6 +368,12 @@ def remove_checkpoints(output_dir: str | os.PathLike, script_logger: logging.Log
     size = sum(f.stat().st_size for folder in folders for f in folder.rglob("*") if f.is_file())
     for folder in folders:
         shutil.rmtree(folder)
+    # and the save locks peft_graft left beside every checkpoint (".checkpoint-N.lock"), rotated ones included: no
+    # other process writes this run's checkpoints
+    lock = re.compile(rf"\.{PREFIX_CHECKPOINT_DIR}-\d+\.lock")
+    for path in Path(output_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*.lock"):
+        if lock.fullmatch(path.name) and not path.with_name(path.name[1:-5]).exists():
+            path.unlink(missing_ok=True)
     if folders:
         script_logger.info("Removed %d checkpoint(s) of this run (%s, %.1f MB); --keep_checkpoints keeps them",
                            len(folders), ", ".join(f.name for f in folders), size / 2**20)  # fmt: skip

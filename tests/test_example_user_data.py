@@ -253,6 +253,7 @@ def test_graft_removes_its_checkpoints_unless_kept(assets, finetuned, tmp_path):
     steps = ["--max_steps", "4", "--save_steps", "1", "--train_file", assets["train"]]
     graft(assets, finetuned, tmp_path / "default", *steps)
     assert not list((tmp_path / "default").glob("checkpoint-*"))
+    assert not list((tmp_path / "default").glob(".checkpoint-*.lock"))  # nor their save locks
     assert (tmp_path / "default" / "adapter_model.safetensors").is_file()
     graft(assets, finetuned, tmp_path / "kept", *steps, "--keep_checkpoints")
     kept = sorted(p.name for p in (tmp_path / "kept").glob("checkpoint-*"))
@@ -320,3 +321,18 @@ def test_a_redirected_run_logs_compact_lines_and_writes_its_metrics(assets, fine
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     assert [entry["step"] for entry in history if "eval_accuracy" in entry] == [0, 2, 4, 4]
     assert not list(out.glob("checkpoint-*"))
+
+
+def test_a_redirected_fine_tune_shows_no_progress_bars(assets, tmp_path):
+    """transformers' own bars (saving a model writes "Writing model shards") follow --disable_tqdm too."""
+    log = tmp_path / "run.log"
+    command = [
+        sys.executable, str(EXAMPLES / "run_finetune.py"), "--model_name_or_path", assets["model"],
+        "--train_file", assets["train"], "--output_dir", str(tmp_path / "ft"), *FAST,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as handle:
+        subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, check=True, timeout=600)
+    text = log.read_text()
+    assert "Saved the fine-tuned model" in text
+    assert "\r" not in text and "Writing model shards" not in text
