@@ -52,7 +52,11 @@ class GraftArguments:
     """The initial region gamma_base and the budget of the learned region."""
 
     sparsity: float = field(
-        default=1e-4, metadata={"help": "Size of the region as a fraction of the moved parameters (paper: 1e-4)."}
+        default=1e-4,
+        metadata={
+            "help": "Size of the region as a fraction of the moved parameters (GraftConfig's sparsity); for a "
+            "fraction of all parameters, the paper's '0.01%', use --fraction_of_parameters."
+        },
     )
     fraction_of_parameters: float | None = field(
         default=None,
