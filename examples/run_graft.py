@@ -55,14 +55,14 @@ class GraftArguments:
         default=1e-4,
         metadata={
             "help": "Size of the region as a fraction of the moved parameters (GraftConfig's sparsity); for a "
-            "fraction of all parameters, the paper's '0.01%', use --fraction_of_parameters."
+            "fraction of all parameters (the paper's sizes) use --fraction_of_parameters."
         },
     )
     fraction_of_parameters: float | None = field(
         default=None,
         metadata={
-            "help": "Size of the region as a fraction of all parameters of the model (heads included), the paper's "
-            "'0.01%' (1e-4): what the reports call fraction_of_parameters. Overrides --sparsity."
+            "help": "Size of the region as a fraction of all parameters of the model (heads included), as the paper "
+            "counts (1e-4: its 0.01 percent) and the reports' fraction_of_parameters. Overrides --sparsity."
         },
     )
     base_num_entries: int | None = field(

@@ -205,6 +205,17 @@ def test_evaluate_with_user_files_and_predictions(assets, finetuned, tmp_path):
     assert accuracy == pytest.approx(results["metrics"]["test"]["fine-tuned"]["accuracy"])
 
 
+@pytest.mark.parametrize("script", [run_finetune, run_graft, run_evaluate], ids=lambda m: m.__name__)
+def test_help_prints_and_names_the_region_size_flags(script, capsys):
+    """--help formats every flag's help (argparse fails on a bare '%' in one) and exits 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--help"])
+    assert exit_info.value.code == 0
+    if script is run_graft:
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--fraction_of_parameters" in text and "--sparsity" in text
+
+
 def test_help_names_the_columns_read(capsys):
     with pytest.raises(SystemExit):
         run_finetune.main(["--help"])
