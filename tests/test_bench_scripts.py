@@ -22,12 +22,7 @@ import bench_models as M  # noqa: E402
 TINY = "llama-0.4m"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_theta_ft_is_theta_pre_plus_a_structured_update():

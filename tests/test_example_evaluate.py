@@ -53,13 +53,7 @@ def _sentences(n: int, num_classes: int, seed: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and a busy machine does not slow them down by thread contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

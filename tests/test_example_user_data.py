@@ -48,12 +48,7 @@ def _rows(n: int, seed: int, text: str = "sentence", labels: tuple[str, str] = (
     return pd.DataFrame(rows)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
