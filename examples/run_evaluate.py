@@ -81,10 +81,11 @@ from peft_graft.calibration import calibration_report, f1_score, fit_temperature
 logger = logging.getLogger(__name__)
 
 TS = " + TS"
+"""Suffix of a temperature-scaled model's name."""
 VALIDATION, TEST = "validation", "test"
 """The names of the ``--validation_file`` and ``--test_file`` evaluation sets."""
 PREDICTIONS_FILE = "predict_results.csv"
-"""Suffix of a temperature-scaled model's name."""
+"""Every model's predicted label on ``--test_file`` (``--do_predict``)."""
 BASELINES = (("movement", "top-k movement"), ("random", "random"))
 """(GraftConfig region, model kind) of the baseline regions evaluated at every graft size."""
 OWN_ROWS = re.compile(r"fine-tuned|pre-trained (\+ FT head|\(zero-shot\))|"
