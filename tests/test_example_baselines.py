@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_example_evaluate import one_thread  # noqa: F401  (autouse)
 from test_examples import _sentences, assets, finetune_args  # noqa: F401  (assets: a fixture)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 

@@ -8,10 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-from test_example_evaluate import one_thread  # noqa: F401  (autouse)
+import pytest
 from test_examples import assets  # noqa: F401  (a fixture)
 from transformers import AutoTokenizer, BertModel
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 

@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_example_evaluate import expected_models, one_thread, summary_tables  # noqa: F401  (one_thread: autouse)
+from test_example_evaluate import expected_models, summary_tables
 from test_examples import HEAD_ARGS, assets, finetune_args, graft_args  # noqa: F401  (assets: a fixture)
 
 from peft_graft import Region
 from peft_graft.calibration import calibration_report
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_example_evaluate import one_thread  # noqa: F401  (autouse)
 from test_example_retrain import _check_only_allowed_changed, _head, _load
 from test_examples import HEAD_ARGS, assets, finetune_args  # noqa: F401  (assets: a fixture)
 
 from peft_graft.training import layer_region
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
