@@ -23,6 +23,7 @@ from .in_place import model_forward, state_change, suspended_writes, written_in_
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .mixed_batch import BASE, mixed_batch_hooks
+from .packed import pack_adapter
 from .planning import Plan, plan_loaded_graft, plan_new_graft
 
 COMBINATION_RULES = ("average", "sum", "first", "last")
@@ -276,6 +277,23 @@ class GraftModel(BaseTuner):
             )
         super().delete_adapter(adapter_name)
 
+    @changes_state()
+    def pack_adapter(self, adapter_name: str) -> int:
+        """Hold the frozen hard region of ``adapter_name`` in one flat store (``tuner/packed.py``) instead of small
+        tensors on every layer, so that it costs about its bytes in memory; outputs, merges and saved files stay bit
+        for bit the same. Loads for inference (``is_trainable=False``) do it; a layer unpacks before anything could
+        train the adapter (``set_adapter`` without ``inference_mode``, ``set_requires_grad``) or change its tensors.
+        Layers where the adapter is trainable or learning its region are left as they are. Returns the bytes packed."""
+        self._check_adapter(adapter_name)
+        return sum(store.nbytes() for store in pack_adapter(self._adapter_modules()[0], adapter_name))
+
+    @changes_state()
+    def unpack_adapter(self, adapter_name: str) -> None:
+        """Give ``adapter_name`` its own tensors on every layer again (undoes :meth:`pack_adapter`)."""
+        self._check_adapter(adapter_name)
+        for layer in self._adapter_modules()[0]:
+            layer.unpack(adapter_name)
+
     def _adapter_modules(self) -> tuple[list[GraftLayer], list[AuxiliaryTrainingWrapper]]:
         key = tuple(self.peft_config)  # layers and wrappers only change when adapters are added or deleted
         cached = getattr(self, "_adapter_modules_cache", None)
@@ -316,7 +334,7 @@ class GraftModel(BaseTuner):
     def get_scale(self, adapter_name: str | None = None) -> float:
         """The run-time scale of an adapter (default: the first active one); 1.0 unless :meth:`set_scale` changed it."""
         name = self._scale_adapters(adapter_name)[0]
-        scales = {layer.get_scale(name) for layer in self._adapter_modules()[0] if name in layer.graft_values}
+        scales = {layer.get_scale(name) for layer in self._adapter_modules()[0] if layer.has_region(name)}
         if len(scales) > 1:
             raise ValueError(f"The graft layers of adapter {name!r} have different scales {sorted(scales)}.")
         return scales.pop() if scales else 1.0
@@ -727,7 +745,7 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
                 num_exact = int(module.exact_entries(adapter_name, indices)[0].numel())
                 if num_exact:
                     exact[key] = num_exact
-                hard = adapter_name in module.graft_values and not module.is_learning(adapter_name)
+                hard = module.has_region(adapter_name) and not module.is_learning(adapter_name)
                 fingerprints[key] = (
                     module.fingerprints[adapter_name] if hard else module.base_values(indices[:2]).tolist()
                 )

@@ -139,7 +139,11 @@ def wrap_load(original):
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
         with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
             _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
-            return _load_checked(self, model_id, adapter_name, *args, **kwargs)
+            out = _load_checked(self, model_id, adapter_name, *args, **kwargs)
+            config = self.peft_config.get(adapter_name)
+            if is_graft_config(config) and config.inference_mode and hasattr(self.base_model, "pack_adapter"):
+                self.base_model.pack_adapter(adapter_name)  # loaded for inference: about its bytes in memory
+            return out
 
     def _load_checked(self, model_id, adapter_name, *args, **kwargs):
         is_new = adapter_name not in self.peft_config

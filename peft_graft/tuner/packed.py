@@ -1,0 +1,104 @@
+"""Frozen grafts held in one flat store per adapter, so that many loaded grafts cost about their bytes (issue 28).
+
+A graft layer holds each adapter's entries as up to four small tensors (indices, fp32 values, exact positions and
+values). A tensor costs about 0.6 KB beyond its data, so a graft of 0.01% of a RoBERTa-base (about 12k entries over
+about 100 layers) costs more in tensor objects than in entries. :func:`pack_adapter` concatenates a frozen adapter's
+tensors of every layer into one :class:`PackedStore` (four flat tensors, and a table of offsets); each layer then keeps
+only ``(store, row)`` in ``GraftLayer.packed`` and reads its entries as views of the store when it needs them (the
+layer caches its per-tensor split, as for unpacked adapters). Nothing else changes: outputs, merges and saved files are
+bit for bit those of the unpacked adapter. A layer unpacks (gets its own tensors back, :meth:`GraftLayer.unpack`)
+before anything could train the adapter or change its tensors: ``set_adapter`` without ``inference_mode``,
+``set_requires_grad``, ``set_region``, ``load_state_dict`` of its keys, and ``.to()`` to another device.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .layer import GraftLayer
+
+STORE_KEYS = ("indices", "values", "positions", "targets")
+"""The flat tensors of a store: indices (the layers' index dtype), fp32 values, exact positions, exact theta_ft."""
+
+
+class PackedStore:
+    """One adapter's entries on several layers: ``tensors`` (see :data:`STORE_KEYS`) and, per layer row, the
+    ``[start, stop)`` of its entries in ``indices``/``values`` and of its exact entries in ``positions``/``targets``."""
+
+    __slots__ = ("offsets", "tensors")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], offsets: array) -> None:
+        self.tensors = tensors
+        self.offsets = offsets  # 4 ints per row: entries start, stop, exact start, exact stop
+
+    def entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, values)`` of layer ``row``, as views of the store."""
+        start, stop = self.offsets[4 * row], self.offsets[4 * row + 1]
+        return self.tensors["indices"][start:stop], self.tensors["values"][start:stop]
+
+    def exact_entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(positions, theta_ft)`` of layer ``row``'s exact entries as views, or ``None`` when it has none."""
+        start, stop = self.offsets[4 * row + 2], self.offsets[4 * row + 3]
+        if start == stop:
+            return None
+        return self.tensors["positions"][start:stop], self.tensors["targets"][start:stop]
+
+    def nbytes(self) -> int:
+        """Bytes of the store's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def can_pack(layer: GraftLayer, adapter_name: str) -> bool:
+    """Whether ``layer`` holds a frozen hard region of ``adapter_name`` in its own tensors, with its entries loaded."""
+    if adapter_name not in layer.graft_values or layer.is_learning(adapter_name):
+        return False
+    if layer.graft_values[adapter_name].requires_grad:
+        return False
+    if adapter_name in layer.awaiting_entries:
+        indices = layer.graft_indices[adapter_name]
+        if indices.numel() and int(indices.min()) < 0:  # never loaded: check_filled refuses it at first use
+            return False
+    return True
+
+
+def pack_adapter(layers: Iterable[GraftLayer], adapter_name: str) -> list[PackedStore]:
+    """Move the frozen hard region of ``adapter_name`` on ``layers`` into flat stores (one per index dtype and device),
+    each layer keeping its row. Layers where it is not frozen and hard (:func:`can_pack`) are left as they are.
+    Everything is concatenated before any layer changes. Returns the stores made."""
+    groups: dict[tuple, list[GraftLayer]] = {}
+    for layer in layers:
+        if can_pack(layer, adapter_name):
+            indices = layer.graft_indices[adapter_name]
+            groups.setdefault((indices.dtype, indices.device), []).append(layer)
+    made = []
+    for (index_dtype, device), members in groups.items():
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in STORE_KEYS}
+        offsets = array("q")
+        count = exact = 0
+        for layer in members:
+            indices, values = layer.graft_indices[adapter_name], layer.graft_values[adapter_name].detach()
+            parts["indices"].append(indices)
+            parts["values"].append(values.to(device))
+            num_exact = 0
+            if adapter_name in layer.graft_exact_positions:
+                positions = layer.graft_exact_positions[adapter_name]
+                parts["positions"].append(positions.to(device, index_dtype))
+                parts["targets"].append(layer.graft_exact_values[adapter_name].to(device))
+                num_exact = positions.numel()
+            offsets.extend((count, count + indices.numel(), exact, exact + num_exact))
+            count, exact = count + indices.numel(), exact + num_exact
+        dtypes = {"indices": index_dtype, "values": torch.float32, "positions": index_dtype, "targets": torch.float32}
+        tensors = {
+            key: torch.cat(parts[key]) if parts[key] else torch.empty(0, dtype=dtypes[key], device=device)
+            for key in STORE_KEYS
+        }
+        store = PackedStore(tensors, offsets)
+        for row, layer in enumerate(members):
+            layer.attach_packed(adapter_name, store, row)
+        made.append(store)
+    return made
