@@ -171,7 +171,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         if num_exact:
             self.graft_exact_positions[adapter_name] = torch.zeros(num_exact, dtype=index_dtype, device=device)
             self.graft_exact_values[adapter_name] = torch.zeros(num_exact, device=device)
-        self.fingerprints[adapter_name] = list(fingerprint)
+        # The config's list itself (never mutated): a loaded graft keeps one copy per module, not two.
+        self.fingerprints[adapter_name] = fingerprint if isinstance(fingerprint, list) else list(fingerprint)
         if checksum:
             self.checksums[adapter_name] = checksum
         self.verify_base[adapter_name] = verify_base

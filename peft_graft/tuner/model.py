@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -540,8 +541,12 @@ class GraftModel(BaseTuner):
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        """Check the checkpoint against the config and the model before anything is loaded."""
+        """Check the checkpoint against the config and the model before anything is loaded; a packed adapter gets its
+        own tensors back to load into (peft maps the keys onto the model's tensors of the adapter)."""
         check_graft_state_dict(model, config, state_dict, adapter_name)
+        for module in model.modules():
+            if isinstance(module, GraftLayer):
+                module.unpack(adapter_name)
         return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
 
@@ -740,7 +745,7 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
         if isinstance(module, GraftLayer):
             indices, _ = module.entries(adapter_name)
             if indices.numel():
-                key = name.removeprefix(PEFT_PREFIX)
+                key = sys.intern(name.removeprefix(PEFT_PREFIX))  # shared by every graft's config (issue 28)
                 counts[key] = int(indices.numel())
                 num_exact = int(module.exact_entries(adapter_name, indices)[0].numel())
                 if num_exact:

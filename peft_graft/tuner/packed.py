@@ -30,7 +30,7 @@ class PackedStore:
     """One adapter's entries on several layers: ``tensors`` (see :data:`STORE_KEYS`) and, per layer row, the
     ``[start, stop)`` of its entries in ``indices``/``values`` and of its exact entries in ``positions``/``targets``."""
 
-    __slots__ = ("offsets", "tensors")
+    __slots__ = ("__weakref__", "offsets", "tensors")
 
     def __init__(self, tensors: dict[str, torch.Tensor], offsets: array) -> None:
         self.tensors = tensors
