@@ -124,11 +124,13 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return adapter_name in self.graft_values or adapter_name in self.packed
 
     def attach_packed(self, adapter_name: str, store: PackedStore, row: int) -> None:
-        """Read the entries of ``adapter_name`` from row ``row`` of ``store`` from now on, dropping the layer's own
-        tensors of it (:func:`~peft_graft.tuner.packed.pack_adapter` made the store from them)."""
+        """Read the entries of ``adapter_name`` (and its records of theta_pre) from row ``row`` of ``store`` from now
+        on, dropping the layer's own (:func:`~peft_graft.tuner.packed.pack_adapter` made the store from them)."""
         for container in (self.graft_indices, self.graft_values, self.graft_exact_positions, self.graft_exact_values):
             if adapter_name in container:
                 del container[adapter_name]
+        for record in (self.fingerprints, self.checksums, self.verify_base):
+            record.pop(adapter_name, None)
         self.packed[adapter_name] = (store, row)
         self.awaiting_entries.discard(adapter_name)  # pack_adapter packs loaded entries only
 
@@ -146,8 +148,28 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         if exact is not None:
             self.graft_exact_positions[adapter_name] = exact[0].clone()
             self.graft_exact_values[adapter_name] = exact[1].clone()
+        fingerprint, checksum, verify_base = self.base_records(adapter_name)
+        if fingerprint is not None:
+            self.fingerprints[adapter_name] = fingerprint
+        if checksum is not None:
+            self.checksums[adapter_name] = checksum
+        if verify_base is not None:
+            self.verify_base[adapter_name] = verify_base
         del self.packed[adapter_name]
         self._move_adapter_to_device_of_base_layer(adapter_name)
+
+    def base_records(self, adapter_name: str) -> tuple[list[float] | None, str | None, bool | None]:
+        """``(fingerprint, checksum, verify_base)`` recorded of theta_pre for ``adapter_name`` (``None`` if absent)."""
+        slot = self.packed.get(adapter_name)
+        if slot is None:
+            return (
+                self.fingerprints.get(adapter_name),
+                self.checksums.get(adapter_name),
+                self.verify_base.get(adapter_name),
+            )
+        store, row = slot
+        verify_base = store.verify_base[row]
+        return store.fingerprints[row], store.checksums[row], None if verify_base == 2 else bool(verify_base)
 
     def _all_available_adapter_names(self) -> list[str]:
         return sorted(set(super()._all_available_adapter_names()) | set(self.packed))
@@ -434,8 +456,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Refuse to apply a graft whose entries were never loaded, or one made for other pre-trained values (see
         ``GraftConfig.verify_base``)."""
         self.check_filled(adapter_name)
-        expected = self.fingerprints.get(adapter_name) or []  # a config without it still has its checksum checked
-        if not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
+        fingerprint, expected_checksum, verify_base = self.base_records(adapter_name)
+        expected = fingerprint or []  # a config without it still has its checksum checked
+        if verify_base is False or self.is_learning(adapter_name):
             return
         all_indices = self.entries(adapter_name)[0]
         indices = all_indices[: len(expected)]
@@ -451,7 +474,6 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     "config = GraftConfig.from_pretrained(path); config.verify_base = False; "
                     "PeftModel.from_pretrained(model, path, config=config)."
                 )
-        expected_checksum = self.checksums.get(adapter_name)
         if expected_checksum and self.base_checksum(all_indices) != expected_checksum:
             raise ValueError(
                 f"Graft {adapter_name!r} was made for a different pre-trained model: tensor values of "
@@ -460,7 +482,11 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 "or override: config = GraftConfig.from_pretrained(path); config.verify_base = False; "
                 "PeftModel.from_pretrained(model, path, config=config)."
             )
-        self.verify_base[adapter_name] = False  # checked once
+        slot = self.packed.get(adapter_name)
+        if slot is None:
+            self.verify_base[adapter_name] = False  # checked once
+        else:
+            slot[0].verify_base[slot[1]] = 0
 
     # ----------------------------------------------------------------------------------------------- forward
     def _contribution(self, adapter_name: str, attr: str) -> SparseEntries | None:

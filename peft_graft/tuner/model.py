@@ -751,10 +751,9 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
                 if num_exact:
                     exact[key] = num_exact
                 hard = module.has_region(adapter_name) and not module.is_learning(adapter_name)
-                fingerprints[key] = (
-                    module.fingerprints[adapter_name] if hard else module.base_values(indices[:2]).tolist()
-                )
-                checksum = module.checksums.get(adapter_name) if hard else module.base_checksum(indices)
+                fingerprint, checksum, _ = module.base_records(adapter_name) if hard else (None, None, None)
+                fingerprints[key] = fingerprint if hard else module.base_values(indices[:2]).tolist()
+                checksum = checksum if hard else module.base_checksum(indices)
                 if checksum:
                     checksums[key] = checksum
     config.grafted_modules, config.base_fingerprint, config.base_checksum = counts, fingerprints, checksums

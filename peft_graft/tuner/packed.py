@@ -28,13 +28,18 @@ STORE_KEYS = ("indices", "values", "positions", "targets")
 
 class PackedStore:
     """One adapter's entries on several layers: ``tensors`` (see :data:`STORE_KEYS`) and, per layer row, the
-    ``[start, stop)`` of its entries in ``indices``/``values`` and of its exact entries in ``positions``/``targets``."""
+    ``[start, stop)`` of its entries in ``indices``/``values`` and of its exact entries in ``positions``/``targets``,
+    and what the layer records of theta_pre (``GraftLayer.fingerprints``, ``checksums``, ``verify_base``), kept here
+    rather than in three dicts per layer."""
 
-    __slots__ = ("__weakref__", "offsets", "tensors")
+    __slots__ = ("__weakref__", "checksums", "fingerprints", "offsets", "tensors", "verify_base")
 
     def __init__(self, tensors: dict[str, torch.Tensor], offsets: array) -> None:
         self.tensors = tensors
         self.offsets = offsets  # 4 ints per row: entries start, stop, exact start, exact stop
+        self.fingerprints: list[list[float] | None] = []
+        self.checksums: list[str | None] = []
+        self.verify_base = bytearray()  # per row: 0 False, 1 True, 2 absent
 
     def entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(indices, values)`` of layer ``row``, as views of the store."""
@@ -98,6 +103,10 @@ def pack_adapter(layers: Iterable[GraftLayer], adapter_name: str) -> list[Packed
             for key in STORE_KEYS
         }
         store = PackedStore(tensors, offsets)
+        for layer in members:
+            store.fingerprints.append(layer.fingerprints.get(adapter_name))
+            store.checksums.append(layer.checksums.get(adapter_name))
+            store.verify_base.append(int(layer.verify_base.get(adapter_name, 2)))
         for row, layer in enumerate(members):
             layer.attach_packed(adapter_name, store, row)
         made.append(store)
