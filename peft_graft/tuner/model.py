@@ -24,7 +24,7 @@ from .in_place import model_forward, state_change, suspended_writes, written_in_
 from .layer import GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .mixed_batch import BASE, mixed_batch_hooks
-from .packed import pack_adapter
+from .packed import pack_adapter, release_free_heap
 from .planning import Plan, plan_loaded_graft, plan_new_graft
 
 COMBINATION_RULES = ("average", "sum", "first", "last")
@@ -276,7 +276,10 @@ class GraftModel(BaseTuner):
                 f"Adapter {adapter_name!r} is the only adapter: deleting it would leave a graft model that cannot run. "
                 "Use unload() to get the base model back, or add another adapter first."
             )
+        was_packed = any(adapter_name in layer.packed for layer in self._adapter_modules()[0])
         super().delete_adapter(adapter_name)
+        if was_packed:
+            release_free_heap()
 
     @changes_state()
     def pack_adapter(self, adapter_name: str) -> int:
@@ -286,7 +289,9 @@ class GraftModel(BaseTuner):
         train the adapter (``set_adapter`` without ``inference_mode``, ``set_requires_grad``) or change its tensors.
         Layers where the adapter is trainable or learning its region are left as they are. Returns the bytes packed."""
         self._check_adapter(adapter_name)
-        return sum(store.nbytes() for store in pack_adapter(self._adapter_modules()[0], adapter_name))
+        packed = sum(store.nbytes() for store in pack_adapter(self._adapter_modules()[0], adapter_name))
+        release_free_heap()  # what loading and packing freed (see release_free_heap)
+        return packed
 
     @changes_state()
     def unpack_adapter(self, adapter_name: str) -> None:
