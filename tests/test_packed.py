@@ -111,9 +111,7 @@ def test_a_packed_graft_saves_the_unpacked_files_byte_for_byte(saved, tmp_path):
 def test_deleting_a_packed_graft_frees_its_store(saved):
     pre, folder = saved
     model = load(pre, folder)
-    stores = {
-        id(layer.packed["b"][0]): weakref.ref(layer.packed["b"][0]) for layer in layers(model) if "b" in layer.packed
-    }
+    stores = {id(layer.packed["b"]): weakref.ref(layer.packed["b"]) for layer in layers(model) if "b" in layer.packed}
     assert len(stores) == 1  # one store per adapter (index dtype and device)
     model.delete_adapter("b")
     gc.collect()
@@ -189,7 +187,7 @@ def test_many_packed_grafts_hold_their_bytes_in_one_store_each(saved):
     }
     run(model, adapter_names=list(names[:4]))
     for name in names:
-        stores = {id(layer.packed[name][0]): layer.packed[name][0] for layer in layers(model) if name in layer.packed}
+        stores = {id(layer.packed[name]): layer.packed[name] for layer in layers(model) if name in layer.packed}
         assert len(stores) == 1
         store: PackedStore = next(iter(stores.values()))
         assert len(store.tensors) == 4
@@ -210,3 +208,42 @@ def test_many_packed_grafts_hold_their_bytes_in_one_store_each(saved):
         model.delete_adapter(name)
     assert all(set(layer.packed) <= {names[0]} for layer in layers(model))
     assert all(key[0] == names[0] for layer in layers(model) for key in layer._entries_cache)
+
+
+def test_forwards_follow_packing_unpacking_and_changed_values(saved):
+    """The cached entries and in-place plans of a packed adapter are refreshed when it is unpacked or packed anew."""
+    pre, folder = saved
+    model = load(pre, folder)
+    expected = run(model)
+
+    def negate() -> None:
+        with torch.no_grad():
+            for layer in layers(model):
+                if "a" in layer.graft_values:
+                    layer.graft_values["a"].mul_(-1)
+
+    model.base_model.unpack_adapter("a")
+    assert packed(model, "a") == 0 and torch.equal(run(model), expected)
+    negate()
+    changed = run(model)
+    assert not torch.equal(changed, expected)
+    model.base_model.pack_adapter("a")
+    assert packed(model, "a") > 0 and torch.equal(run(model), changed)
+    model.base_model.unpack_adapter("a")
+    negate()
+    model.base_model.pack_adapter("a")
+    assert torch.equal(run(model), expected)
+
+
+def test_a_packed_graft_of_a_model_with_tied_weights_gives_the_unpacked_outputs(tmp_path):
+    pre, finetuned, _ = make_pair("gpt2")  # the LM head is the token embedding
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=300))
+    model.save_pretrained(tmp_path)
+    unpacked = PeftModel.from_pretrained(clone_model(pre), tmp_path, is_trainable=True).eval()
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path).eval()
+    assert packed(loaded, "default") > 0
+    ids = input_ids(4)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, unpacked(input_ids=ids).logits)
+        kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(loaded.generate(**kwargs), unpacked.generate(**kwargs))

@@ -54,7 +54,7 @@ class InPlacePlan:
     absent: list[tuple[dict, str]] = field(default_factory=list)  # entry tensors an adapter does not have
     scales: list[tuple[dict, str, float]] = field(default_factory=list)  # (layer.scaling, adapter, scale)
     learning: list[tuple[dict, str]] = field(default_factory=list)  # (graft_learning's modules, adapter)
-    slots: list[tuple[dict, str, Any]] = field(default_factory=list)  # (layer.packed, adapter, its slot or None)
+    slots: list[tuple[dict, str, Any]] = field(default_factory=list)  # (layer.packed, adapter, its store or None)
 
     def watch(self, owner: dict, key: str) -> None:
         """Record the entry tensor ``owner[key]`` (possibly absent) as an input of the plan."""
@@ -65,7 +65,7 @@ class InPlacePlan:
             self.watched.append((owner, key, tensor, tensor.data_ptr(), tensor._version))
 
     def watch_slot(self, owner: dict, key: str) -> None:
-        """Record ``owner.get(key)`` (a packed adapter's ``(store, row)``, or ``None``) as an input of the plan."""
+        """Record ``owner.get(key)`` (a packed adapter's store, or ``None``) as an input of the plan."""
         self.slots.append((owner, key, owner.get(key)))
 
     def watch_base(self, owner: dict, key: str) -> None:

@@ -89,7 +89,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_exact_positions = BufferDict(persistent=True)
         self.graft_exact_values = BufferDict(persistent=True)
         self.graft_learning = nn.ModuleDict()
-        self.packed: dict[str, tuple[PackedStore, int]] = {}  # frozen adapters held in a flat store (packed.py)
+        self.packed: dict[str, PackedStore] = {}  # frozen adapters held in a flat store (packed.py), at row pack_row
+        self.pack_row: int | None = None  # this layer's row in every store, set when it first packs an adapter
         self.space = FlatIndexSpace(stored_attrs, [getattr(base_layer, attr).numel() for attr in stored_attrs])
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
         self.fingerprints: dict[str, list[float]] = {}  # theta_pre at the first two grafted entries, per adapter
@@ -123,26 +124,25 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Whether this layer holds a hard region of ``adapter_name`` (in its own tensors or packed)."""
         return adapter_name in self.graft_values or adapter_name in self.packed
 
-    def attach_packed(self, adapter_name: str, store: PackedStore, row: int) -> None:
-        """Read the entries of ``adapter_name`` (and its records of theta_pre) from row ``row`` of ``store`` from now
-        on, dropping the layer's own (:func:`~peft_graft.tuner.packed.pack_adapter` made the store from them)."""
+    def attach_packed(self, adapter_name: str, store: PackedStore) -> None:
+        """Read the entries of ``adapter_name`` (and its records of theta_pre) from row ``pack_row`` of ``store`` from
+        now on, dropping the layer's own (:func:`~peft_graft.tuner.packed.pack_adapter` made the store from them)."""
         for container in (self.graft_indices, self.graft_values, self.graft_exact_positions, self.graft_exact_values):
             if adapter_name in container:
                 del container[adapter_name]
         for record in (self.fingerprints, self.checksums, self.verify_base):
             record.pop(adapter_name, None)
-        self.packed[adapter_name] = (store, row)
+        self.packed[adapter_name] = store
         self.awaiting_entries.discard(adapter_name)  # pack_adapter packs loaded entries only
 
     def unpack(self, adapter_name: str) -> None:
         """Give ``adapter_name`` its own tensors on this layer again (frozen values, copies of the store's), on the base
         layer's device; the store is freed once no layer reads it. Nothing when it is not packed here."""
-        slot = self.packed.get(adapter_name)
-        if slot is None:
+        store = self.packed.get(adapter_name)
+        if store is None:
             return
-        store, row = slot
-        indices, values = store.entries(row)
-        exact = store.exact_entries(row)
+        indices, values = store.entries(self.pack_row)
+        exact = store.exact_entries(self.pack_row)
         self.graft_indices[adapter_name] = indices.clone()
         self.graft_values[adapter_name] = nn.Parameter(values.clone(), requires_grad=False)
         if exact is not None:
@@ -160,14 +160,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
     def base_records(self, adapter_name: str) -> tuple[list[float] | None, str | None, bool | None]:
         """``(fingerprint, checksum, verify_base)`` recorded of theta_pre for ``adapter_name`` (``None`` if absent)."""
-        slot = self.packed.get(adapter_name)
-        if slot is None:
+        store = self.packed.get(adapter_name)
+        if store is None:
             return (
                 self.fingerprints.get(adapter_name),
                 self.checksums.get(adapter_name),
                 self.verify_base.get(adapter_name),
             )
-        store, row = slot
+        row = self.pack_row
         verify_base = store.verify_base[row]
         return store.fingerprints[row], store.checksums[row], None if verify_base == 2 else bool(verify_base)
 
@@ -324,9 +324,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return learner.hard if learner.hard is not None else learner.harden()
         if adapter_name in self.graft_indices:
             return self.graft_indices[adapter_name], self.graft_values[adapter_name]
-        slot = self.packed.get(adapter_name)
-        if slot is not None:
-            return slot[0].entries(slot[1])
+        store = self.packed.get(adapter_name)
+        if store is not None:
+            return store.entries(self.pack_row)
         return NO_ENTRIES
 
     def exact_entries(
@@ -339,9 +339,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return learner.exact_at(self.entries(adapter_name)[0] if indices is None else indices)
         if adapter_name in self.graft_exact_positions:
             return self.graft_exact_positions[adapter_name], self.graft_exact_values[adapter_name]
-        slot = self.packed.get(adapter_name)
-        if slot is not None:
-            return slot[0].exact_entries(slot[1]) or NO_ENTRIES
+        store = self.packed.get(adapter_name)
+        if store is not None:
+            return store.exact_entries(self.pack_row) or NO_ENTRIES
         return NO_ENTRIES
 
     def region_by_tensor(self, adapter_name: str) -> dict[str, torch.Tensor]:
@@ -382,17 +382,17 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         ``graft_values``, and a cached view would either have no path back to them (taken without autograd) or keep a
         graph alive in the module.
 
-        A packed adapter's tensors are the store's (views are made only when the cache is refreshed); the slot is part
+        A packed adapter's tensors are the store's (views are made only when the cache is refreshed); the store is part
         of the stamp, so unpacking or packing anew refreshes it."""
-        slot = self.packed.get(adapter_name)
-        if slot is None:
+        store = self.packed.get(adapter_name)
+        if store is None:
             indices, values = self.graft_indices[adapter_name], self.graft_values[adapter_name]
             tensors = (indices, values, *self.exact_entries(adapter_name))
             if values.requires_grad and torch.is_grad_enabled():
                 return entries_of(self.space, indices, values, tensors[2:], attr)
         else:
-            tensors = (slot, *slot[0].tensors.values())
-        stamp = tuple((t.data_ptr(), t._version, t.device) for t in (tensors if slot is None else tensors[1:]))
+            tensors = (store, *store.tensors.values())
+        stamp = tuple((t.data_ptr(), t._version, t.device) for t in (tensors if store is None else tensors[1:]))
         cached = self._entries_cache.get((adapter_name, attr))
         if (
             cached is None
@@ -400,7 +400,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             or len(cached[1]) != len(tensors)
             or any(a is not b for a, b in zip(cached[1], tensors, strict=True))
         ):
-            if slot is None:
+            if store is None:
                 entries = entries_of(self.space, tensors[0], tensors[1], tensors[2:], attr)
             else:
                 entries = entries_of(self.space, *self.entries(adapter_name), self.exact_entries(adapter_name), attr)
@@ -410,7 +410,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...): a packed adapter that ``fn`` would change
         (another device or dtype) is unpacked first, so that its tensors are converted as an unpacked adapter's."""
-        for adapter_name, (store, _) in list(self.packed.items()):
+        for adapter_name, store in list(self.packed.items()):
             if _changed_by(fn, store):
                 self.unpack(adapter_name)
         return super()._apply(fn, recurse)
@@ -422,8 +422,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
         # Values stay fp32 whatever the base dtype (exactness), indices stay integers: move devices only.
         device = device or self._device()
-        slot = self.packed.get(adapter_name)
-        if slot is not None and slot[0].tensors["values"].device != device:
+        store = self.packed.get(adapter_name)
+        if store is not None and store.tensors["values"].device != device:
             self.unpack(adapter_name)
         for name in ("graft_values", "graft_indices", "graft_exact_positions", "graft_exact_values"):
             container = getattr(self, name)
@@ -482,11 +482,11 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 "or override: config = GraftConfig.from_pretrained(path); config.verify_base = False; "
                 "PeftModel.from_pretrained(model, path, config=config)."
             )
-        slot = self.packed.get(adapter_name)
-        if slot is None:
+        store = self.packed.get(adapter_name)
+        if store is None:
             self.verify_base[adapter_name] = False  # checked once
         else:
-            slot[0].verify_base[slot[1]] = 0
+            store.verify_base[self.pack_row] = 0
 
     # ----------------------------------------------------------------------------------------------- forward
     def _contribution(self, adapter_name: str, attr: str) -> SparseEntries | None:
@@ -648,9 +648,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 for container in (*entry_containers, layer.graft_exact_positions, layer.graft_exact_values):
                     plan.watch(tensor_dict(container), adapter_name)
                 plan.watch_slot(layer.packed, adapter_name)
-                slot = layer.packed.get(adapter_name)
-                for key in slot[0].tensors if slot is not None else ():
-                    plan.watch(slot[0].tensors, key)
+                store = layer.packed.get(adapter_name)
+                for key in store.tensors if store is not None else ():
+                    plan.watch(store.tensors, key)
                 plan.scales.append((layer.scaling, adapter_name, layer.get_scale(adapter_name)))
                 plan.learning.append((layer.graft_learning._modules, adapter_name))
         if learning:
@@ -804,7 +804,8 @@ def _changed_by(fn: Any, store: PackedStore) -> bool:
 def _packed_state_dict(layer: GraftLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State dict hook: a packed adapter's tensors under the keys its own tensors would have (copies, so that no two
     entries share storage), so that its saved files and ``state_dict()`` are those of the unpacked adapter."""
-    for adapter_name, (store, row) in layer.packed.items():
+    row = layer.pack_row
+    for adapter_name, store in layer.packed.items():
         indices, values = store.entries(row)
         state_dict[f"{prefix}graft_values.{adapter_name}"] = values.clone()
         state_dict[f"{prefix}graft_indices.{adapter_name}"] = indices.clone()

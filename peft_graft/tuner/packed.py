@@ -4,11 +4,12 @@ A graft layer holds each adapter's entries as up to four small tensors (indices,
 values). A tensor costs about 0.6 KB beyond its data, so a graft of 0.01% of a RoBERTa-base (about 12k entries over
 about 100 layers) costs more in tensor objects than in entries. :func:`pack_adapter` concatenates a frozen adapter's
 tensors of every layer into one :class:`PackedStore` (four flat tensors, and a table of offsets); each layer then keeps
-only ``(store, row)`` in ``GraftLayer.packed`` and reads its entries as views of the store when it needs them (the
-layer caches its per-tensor split, as for unpacked adapters). Nothing else changes: outputs, merges and saved files are
-bit for bit those of the unpacked adapter. A layer unpacks (gets its own tensors back, :meth:`GraftLayer.unpack`)
-before anything could train the adapter or change its tensors: ``set_adapter`` without ``inference_mode``,
-``set_requires_grad``, ``set_region``, ``load_state_dict`` of its keys, and ``.to()`` to another device.
+only the store in ``GraftLayer.packed`` (its row, the same in every store, is ``GraftLayer.pack_row``) and reads its
+entries as views of the store when it needs them (the layer caches its per-tensor split, as for unpacked adapters).
+Nothing else changes: outputs, merges and saved files are bit for bit those of the unpacked adapter. A layer unpacks
+(gets its own tensors back, :meth:`GraftLayer.unpack`) before anything could train the adapter or change its tensors:
+``set_adapter`` without ``inference_mode``, ``set_requires_grad``, ``set_region``, loading its keys, and ``.to()`` to
+another device or dtype.
 """
 
 from __future__ import annotations
@@ -35,18 +36,18 @@ STORE_KEYS = ("indices", "values", "positions", "targets")
 
 class PackedStore:
     """One adapter's entries on several layers: ``tensors`` (see :data:`STORE_KEYS`) and, per layer row, the
-    ``[start, stop)`` of its entries in ``indices``/``values`` and of its exact entries in ``positions``/``targets``,
-    and what the layer records of theta_pre (``GraftLayer.fingerprints``, ``checksums``, ``verify_base``), kept here
-    rather than in three dicts per layer."""
+    ``[start, stop)`` of its entries in ``indices``/``values`` and of its exact entries in ``positions``/``targets``
+    (empty for a layer without the adapter), and what the layer records of theta_pre (``GraftLayer.fingerprints``,
+    ``checksums``, ``verify_base``), kept here rather than in three dicts per layer."""
 
     __slots__ = ("__weakref__", "checksums", "fingerprints", "offsets", "tensors", "verify_base")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], offsets: array) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], offsets: array, rows: int) -> None:
         self.tensors = tensors
         self.offsets = offsets  # 4 ints per row: entries start, stop, exact start, exact stop
-        self.fingerprints: list[list[float] | None] = []
-        self.checksums: list[str | None] = []
-        self.verify_base = bytearray()  # per row: 0 False, 1 True, 2 absent
+        self.fingerprints: list[list[float] | None] = [None] * rows
+        self.checksums: list[str | None] = [None] * rows
+        self.verify_base = bytearray(b"\x02" * rows)  # per row: 0 False, 1 True, 2 absent
 
     def entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(indices, values)`` of layer ``row``, as views of the store."""
@@ -80,17 +81,25 @@ def can_pack(layer: GraftLayer, adapter_name: str) -> bool:
 
 def pack_adapter(layers: Iterable[GraftLayer], adapter_name: str) -> list[PackedStore]:
     """Move the frozen hard region of ``adapter_name`` on ``layers`` into flat stores (one per index dtype and device),
-    each layer keeping its row. Layers where it is not frozen and hard (:func:`can_pack`) are left as they are.
-    Everything is concatenated before any layer changes. Returns the stores made."""
+    each layer reading its row (``pack_row``, given to the layers without one, after the others: ``layers`` are all the
+    model's graft layers). Layers where it is not frozen and hard (:func:`can_pack`) are left as they are. Everything
+    is concatenated before any layer changes. Returns the stores made."""
+    layers = list(layers)
+    next_row = max((layer.pack_row for layer in layers if layer.pack_row is not None), default=-1) + 1
     groups: dict[tuple, list[GraftLayer]] = {}
     for layer in layers:
         if can_pack(layer, adapter_name):
             indices = layer.graft_indices[adapter_name]
             groups.setdefault((indices.dtype, indices.device), []).append(layer)
+    for members in groups.values():
+        for layer in members:
+            if layer.pack_row is None:
+                layer.pack_row, next_row = next_row, next_row + 1
     made = []
     for (index_dtype, device), members in groups.items():
         parts: dict[str, list[torch.Tensor]] = {key: [] for key in STORE_KEYS}
-        offsets = array("q")
+        rows = max(layer.pack_row for layer in members) + 1
+        bounds = [0] * (4 * rows)
         count = exact = 0
         for layer in members:
             indices, values = layer.graft_indices[adapter_name], layer.graft_values[adapter_name].detach()
@@ -102,20 +111,21 @@ def pack_adapter(layers: Iterable[GraftLayer], adapter_name: str) -> list[Packed
                 parts["positions"].append(positions.to(device, index_dtype))
                 parts["targets"].append(layer.graft_exact_values[adapter_name].to(device))
                 num_exact = positions.numel()
-            offsets.extend((count, count + indices.numel(), exact, exact + num_exact))
+            row = layer.pack_row
+            bounds[4 * row : 4 * row + 4] = count, count + indices.numel(), exact, exact + num_exact
             count, exact = count + indices.numel(), exact + num_exact
         dtypes = {"indices": index_dtype, "values": torch.float32, "positions": index_dtype, "targets": torch.float32}
         tensors = {
             key: torch.cat(parts[key]) if parts[key] else torch.empty(0, dtype=dtypes[key], device=device)
             for key in STORE_KEYS
         }
-        store = PackedStore(tensors, offsets)
+        store = PackedStore(tensors, array("i" if count < 2**31 else "q", bounds), rows)
         for layer in members:
-            store.fingerprints.append(layer.fingerprints.get(adapter_name))
-            store.checksums.append(layer.checksums.get(adapter_name))
-            store.verify_base.append(int(layer.verify_base.get(adapter_name, 2)))
-        for row, layer in enumerate(members):
-            layer.attach_packed(adapter_name, store, row)
+            store.fingerprints[layer.pack_row] = layer.fingerprints.get(adapter_name)
+            store.checksums[layer.pack_row] = layer.checksums.get(adapter_name)
+            store.verify_base[layer.pack_row] = int(layer.verify_base.get(adapter_name, 2))
+        for layer in members:
+            layer.attach_packed(adapter_name, store)
         made.append(store)
     return made
 
