@@ -247,3 +247,13 @@ def test_a_packed_graft_of_a_model_with_tied_weights_gives_the_unpacked_outputs(
         assert torch.equal(loaded(input_ids=ids).logits, unpacked(input_ids=ids).logits)
         kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert torch.equal(loaded.generate(**kwargs), unpacked.generate(**kwargs))
+
+
+def test_unpacking_everywhere_frees_the_store(saved):
+    pre, folder = saved
+    model = load(pre, folder)
+    run(model)  # caches entries and plans built from the store
+    ref = weakref.ref(next(layer.packed["a"] for layer in layers(model) if "a" in layer.packed))
+    model.base_model.unpack_adapter("a")
+    gc.collect()
+    assert ref() is None

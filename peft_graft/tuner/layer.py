@@ -156,7 +156,13 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         if verify_base is not None:
             self.verify_base[adapter_name] = verify_base
         del self.packed[adapter_name]
+        self._forget(adapter_name)  # cached entries and plans would keep the store alive
         self._move_adapter_to_device_of_base_layer(adapter_name)
+
+    def _forget(self, adapter_name: str) -> None:
+        """Drop the cached entries and in-place plans built from ``adapter_name``'s tensors."""
+        self._entries_cache = {key: item for key, item in self._entries_cache.items() if key[0] != adapter_name}
+        self._in_place_plans = {key: plan for key, plan in self._in_place_plans.items() if adapter_name not in key}
 
     def base_records(self, adapter_name: str) -> tuple[list[float] | None, str | None, bool | None]:
         """``(fingerprint, checksum, verify_base)`` recorded of theta_pre for ``adapter_name`` (``None`` if absent)."""
@@ -786,7 +792,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.awaiting_entries.discard(adapter_name)
         self.scaling.pop(adapter_name, None)
         self._in_place_plans.clear()  # frees the deleted adapter's tensors
-        self._entries_cache = {key: item for key, item in self._entries_cache.items() if key[0] != adapter_name}
+        self._forget(adapter_name)
 
     def __repr__(self) -> str:
         return "graft." + super().__repr__()
