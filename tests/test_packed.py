@@ -257,3 +257,18 @@ def test_unpacking_everywhere_frees_the_store(saved):
     model.base_model.unpack_adapter("a")
     gc.collect()
     assert ref() is None
+
+
+def test_packing_and_unpacking_inside_inference_mode_keep_working_tensors(saved):
+    pre, folder = saved
+    model = load(pre, folder, names=("a",))
+    expected = run(model)
+    with torch.inference_mode():
+        model.set_adapter("a")  # unpacks: peft makes its values trainable
+        assert packed(model, "a") == 0
+        assert torch.equal(model(input_ids=input_ids(4)).logits, expected)
+        model.base_model.set_adapter("a", inference_mode=True)
+        model.base_model.pack_adapter("a")
+        assert packed(model, "a") > 0
+        assert torch.equal(model(input_ids=input_ids(4)).logits, expected)
+    assert torch.equal(run(model), expected)

@@ -141,13 +141,14 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         store = self.packed.get(adapter_name)
         if store is None:
             return
-        indices, values = store.entries(self.pack_row)
-        exact = store.exact_entries(self.pack_row)
-        self.graft_indices[adapter_name] = indices.clone()
-        self.graft_values[adapter_name] = nn.Parameter(values.clone(), requires_grad=False)
-        if exact is not None:
-            self.graft_exact_positions[adapter_name] = exact[0].clone()
-            self.graft_exact_values[adapter_name] = exact[1].clone()
+        with torch.inference_mode(False):  # tensors with version counters, even when unpacked inside inference_mode
+            indices, values = store.entries(self.pack_row)
+            exact = store.exact_entries(self.pack_row)
+            self.graft_indices[adapter_name] = indices.clone()
+            self.graft_values[adapter_name] = nn.Parameter(values.clone(), requires_grad=False)
+            if exact is not None:
+                self.graft_exact_positions[adapter_name] = exact[0].clone()
+                self.graft_exact_values[adapter_name] = exact[1].clone()
         fingerprint, checksum, verify_base = self.base_records(adapter_name)
         if fingerprint is not None:
             self.fingerprints[adapter_name] = fingerprint

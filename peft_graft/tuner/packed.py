@@ -115,10 +115,11 @@ def pack_adapter(layers: Iterable[GraftLayer], adapter_name: str) -> list[Packed
             bounds[4 * row : 4 * row + 4] = count, count + indices.numel(), exact, exact + num_exact
             count, exact = count + indices.numel(), exact + num_exact
         dtypes = {"indices": index_dtype, "values": torch.float32, "positions": index_dtype, "targets": torch.float32}
-        tensors = {
-            key: torch.cat(parts[key]) if parts[key] else torch.empty(0, dtype=dtypes[key], device=device)
-            for key in STORE_KEYS
-        }
+        with torch.inference_mode(False):  # tensors with version counters (the caches stamp them)
+            tensors = {
+                key: torch.cat(parts[key]) if parts[key] else torch.empty(0, dtype=dtypes[key], device=device)
+                for key in STORE_KEYS
+            }
         store = PackedStore(tensors, array("i" if count < 2**31 else "q", bounds), rows)
         for layer in members:
             store.fingerprints[layer.pack_row] = layer.fingerprints.get(adapter_name)
