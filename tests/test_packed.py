@@ -204,6 +204,10 @@ def test_many_packed_grafts_hold_their_bytes_in_one_store_each(saved):
         for t in container.values()
     ]
     assert own == []  # no adapter holds tensors of its own on a layer
+    state = model.state_dict()  # views of the stores, not copies (peft reads it at every load)
+    key = next(k for k in state if k.endswith(f".graft_values.{names[1]}"))
+    store = next(layer.packed[names[1]] for layer in layers(model) if names[1] in layer.packed)
+    assert state[key].untyped_storage().data_ptr() == store.tensors["values"].untyped_storage().data_ptr()
     for name in names[1:]:
         model.delete_adapter(name)
     assert all(set(layer.packed) <= {names[0]} for layer in layers(model))

@@ -809,17 +809,18 @@ def _changed_by(fn: Any, store: PackedStore) -> bool:
 
 
 def _packed_state_dict(layer: GraftLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State dict hook: a packed adapter's tensors under the keys its own tensors would have (copies, so that no two
-    entries share storage), so that its saved files and ``state_dict()`` are those of the unpacked adapter."""
+    """State dict hook: a packed adapter's tensors under the keys its own tensors would have (views of its store, as
+    cheap as the references ``state_dict()`` gives of other tensors; saving copies them, ``GraftModel.
+    _get_adapter_state_dict``), so that its saved files and ``state_dict()`` are those of the unpacked adapter."""
     row = layer.pack_row
     for adapter_name, store in layer.packed.items():
         indices, values = store.entries(row)
-        state_dict[f"{prefix}graft_values.{adapter_name}"] = values.clone()
-        state_dict[f"{prefix}graft_indices.{adapter_name}"] = indices.clone()
+        state_dict[f"{prefix}graft_values.{adapter_name}"] = values
+        state_dict[f"{prefix}graft_indices.{adapter_name}"] = indices
         exact = store.exact_entries(row)
         if exact is not None:
-            state_dict[f"{prefix}graft_exact_positions.{adapter_name}"] = exact[0].clone()
-            state_dict[f"{prefix}graft_exact_values.{adapter_name}"] = exact[1].clone()
+            state_dict[f"{prefix}graft_exact_positions.{adapter_name}"] = exact[0]
+            state_dict[f"{prefix}graft_exact_values.{adapter_name}"] = exact[1]
 
 
 def _unpack_loaded(layer: GraftLayer, state_dict: dict, prefix: str, *args: Any) -> None:

@@ -531,6 +531,10 @@ class GraftModel(BaseTuner):
                 module.check_filled(adapter_name)
         out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         out = {k: v for k, v in out.items() if f".{GRAFT_PREFIX}learning." not in k}
+        for key, tensor in out.items():  # views of a packed adapter's store: their own storage, as safetensors needs
+            nbytes = tensor.numel() * tensor.element_size()
+            if f".{GRAFT_PREFIX}" in key and tensor.untyped_storage().nbytes() != nbytes:
+                out[key] = tensor.clone()
         for name, module in model.named_modules():
             if isinstance(module, GraftLayer) and module.is_learning(adapter_name):
                 indices, values = module.entries(adapter_name)
