@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import threading
 import warnings
 from typing import Any
 
@@ -808,10 +809,17 @@ def _changed_by(fn: Any, store: PackedStore) -> bool:
     return False
 
 
+PACKED_STATE = threading.local()
+"""``PACKED_STATE.omit = True``: ``state_dict()`` leaves packed adapters out in this thread (see
+``GraftModel._remap_adapter_state_dict_for_load``)."""
+
+
 def _packed_state_dict(layer: GraftLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State dict hook: a packed adapter's tensors under the keys its own tensors would have (views of its store, as
     cheap as the references ``state_dict()`` gives of other tensors; saving copies them, ``GraftModel.
     _get_adapter_state_dict``), so that its saved files and ``state_dict()`` are those of the unpacked adapter."""
+    if getattr(PACKED_STATE, "omit", False):
+        return
     row = layer.pack_row
     for adapter_name, store in layer.packed.items():
         indices, values = store.entries(row)

@@ -21,7 +21,7 @@ from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
 from .in_place import model_forward, state_change, suspended_writes, written_in_place
-from .layer import GraftLayer, check_scale
+from .layer import PACKED_STATE, GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .mixed_batch import BASE, mixed_batch_hooks
 from .packed import pack_adapter, release_free_heap
@@ -556,7 +556,13 @@ class GraftModel(BaseTuner):
         for module in model.modules():
             if isinstance(module, GraftLayer):
                 module.unpack(adapter_name)
-        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        # peft maps the keys through model.state_dict(), where only this (now unpacked) adapter's keys matter: the
+        # views of every packed graft would cost the n-th load about a tensor object per tensor of the n - 1 others.
+        PACKED_STATE.omit = True
+        try:
+            return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        finally:
+            PACKED_STATE.omit = False
 
 
 GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
