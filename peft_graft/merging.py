@@ -75,11 +75,9 @@ class MergedGraft:
         """Storage: the merged body (indices, fp32 values, exact entries) and the heads of all tasks, in bytes."""
         body = 0
         for layer in _graft_layers(self.model).values():
-            for container in (layer.graft_indices, layer.graft_values, layer.graft_exact_positions,
-                              layer.graft_exact_values):  # fmt: skip
-                if self.adapter_name in container:
-                    tensor = container[self.adapter_name]
-                    body += tensor.numel() * tensor.element_size()
+            if layer.has_region(self.adapter_name):  # its own tensors or views of a packed store
+                entries = (*layer.entries(self.adapter_name), *layer.exact_entries(self.adapter_name))
+                body += sum(tensor.numel() * tensor.element_size() for tensor in entries)
         heads = sum(t.numel() * t.element_size() for head in self.heads.values() for t in head.values())
         return {"body": body, "heads": heads, "total": body + heads}
 

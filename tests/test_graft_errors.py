@@ -449,9 +449,10 @@ def test_a_base_differing_at_any_grafted_entry_is_refused(saved):
     pre, _, _ = make_pair("bert_cls")
     model = PeftModel.from_pretrained(clone_model(pre), saved)
     layer = max(
-        (m for m in model.modules() if isinstance(m, GraftLayer) and m.graft_values), key=lambda m: m.num_stored
+        (m for m in model.modules() if isinstance(m, GraftLayer) and m.has_region("default")),
+        key=lambda m: m.num_stored,
     )
-    indices = layer.graft_indices["default"]
+    indices = layer.entries("default")[0]  # packed: loaded for inference
     assert indices.numel() > 2
     attr, local, _ = next(iter(layer.space.split(indices[-1:])))  # the last entry: not among the first two
     with torch.no_grad():

@@ -54,7 +54,7 @@ def task_vectors(model: PeftModel, adapters: list[str]) -> torch.Tensor:
         for module, layer in tuner.graft_layers().items():  # the order merge_grafts flattens in
             for attr in layer.stored_attrs:
                 dense = torch.zeros(layout.by_site[(module, attr)].parameter.numel())
-                if adapter in layer.graft_indices:
+                if layer.has_region(adapter):  # its own tensors or packed (loaded for inference)
                     local, values = layer.sparse_entries(adapter, attr)
                     dense[local.long()] = values.detach()
                 parts.append(dense)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -175,6 +176,15 @@ class GraftConfig(PeftConfig):
         if isinstance(finetuned, str) and self.finetuned_model_name_or_path is None:
             self.finetuned_model_name_or_path = finetuned
         self._validate()
+        self._intern_module_names()
+
+    def _intern_module_names(self) -> None:
+        """Intern the module names keying the recorded layout: a thousand loaded grafts of one model then share one
+        copy of each name (issue 28) instead of holding one per graft."""
+        for name in ("grafted_modules", "base_checksum", "base_fingerprint", "exact_entries"):
+            value = getattr(self, name)
+            if isinstance(value, dict) and value:
+                setattr(self, name, {sys.intern(k) if type(k) is str else k: v for k, v in value.items()})
 
     def _validate(self) -> None:
         self._check_recorded_layout()

@@ -54,6 +54,7 @@ class InPlacePlan:
     absent: list[tuple[dict, str]] = field(default_factory=list)  # entry tensors an adapter does not have
     scales: list[tuple[dict, str, float]] = field(default_factory=list)  # (layer.scaling, adapter, scale)
     learning: list[tuple[dict, str]] = field(default_factory=list)  # (graft_learning's modules, adapter)
+    slots: list[tuple[dict, str, Any]] = field(default_factory=list)  # (layer.packed, adapter, its store or None)
 
     def watch(self, owner: dict, key: str) -> None:
         """Record the entry tensor ``owner[key]`` (possibly absent) as an input of the plan."""
@@ -62,6 +63,10 @@ class InPlacePlan:
             self.absent.append((owner, key))
         else:
             self.watched.append((owner, key, tensor, tensor.data_ptr(), tensor._version))
+
+    def watch_slot(self, owner: dict, key: str) -> None:
+        """Record ``owner.get(key)`` (a packed adapter's store, or ``None``) as an input of the plan."""
+        self.slots.append((owner, key, owner.get(key)))
 
     def watch_base(self, owner: dict, key: str) -> None:
         """Record the base tensor ``owner[key]`` as an input of the plan (its values are read at every write)."""
@@ -81,6 +86,7 @@ class InPlacePlan:
             all(key not in owner for owner, key in self.absent)
             and all(owner.get(key, 1.0) == scale for owner, key, scale in self.scales)
             and all(key not in owner for owner, key in self.learning)
+            and all(owner.get(key) is slot for owner, key, slot in self.slots)
         )
 
     def run(self, base_layer: nn.Module, args: tuple, kwargs: dict) -> Any:

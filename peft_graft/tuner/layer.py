@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import threading
 import warnings
 from typing import Any
 
@@ -29,6 +30,7 @@ from .in_place import (
 )
 from .learning import RegionLearner
 from .mixed_batch import MixedBatch, layer_forward
+from .packed import PackedStore
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
 # autograd.SparseLinearDelta and the in-place inference forward (GraftLayer.in_place_plan).
@@ -88,6 +90,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.graft_exact_positions = BufferDict(persistent=True)
         self.graft_exact_values = BufferDict(persistent=True)
         self.graft_learning = nn.ModuleDict()
+        self.packed: dict[str, PackedStore] = {}  # frozen adapters held in a flat store (packed.py), at row pack_row
+        self.pack_row: int | None = None  # this layer's row in every store, set when it first packs an adapter
         self.space = FlatIndexSpace(stored_attrs, [getattr(base_layer, attr).numel() for attr in stored_attrs])
         self.tied_sources = dict(tied_sources)  # plain dict: the source layers are not submodules of this one
         self.fingerprints: dict[str, list[float]] = {}  # theta_pre at the first two grafted entries, per adapter
@@ -103,6 +107,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters = []
         self.in_features, self.out_features = in_out_features(base_layer)  # as peft's layers; None if unknown
+        self._register_state_dict_hook(_packed_state_dict)
+        self._register_load_state_dict_pre_hook(_unpack_loaded, with_module=True)
 
     # ----------------------------------------------------------------------------------------------- state
     @property
@@ -114,6 +120,67 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def num_stored(self) -> int:
         """Size of this layer's flat index space."""
         return self.space.size
+
+    def has_region(self, adapter_name: str) -> bool:
+        """Whether this layer holds a hard region of ``adapter_name`` (in its own tensors or packed)."""
+        return adapter_name in self.graft_values or adapter_name in self.packed
+
+    def attach_packed(self, adapter_name: str, store: PackedStore) -> None:
+        """Read the entries of ``adapter_name`` (and its records of theta_pre) from row ``pack_row`` of ``store`` from
+        now on, dropping the layer's own (:func:`~peft_graft.tuner.packed.pack_adapter` made the store from them)."""
+        for container in (self.graft_indices, self.graft_values, self.graft_exact_positions, self.graft_exact_values):
+            if adapter_name in container:
+                del container[adapter_name]
+        for record in (self.fingerprints, self.checksums, self.verify_base):
+            record.pop(adapter_name, None)
+        self.packed[adapter_name] = store
+        self.awaiting_entries.discard(adapter_name)  # pack_adapter packs loaded entries only
+
+    def unpack(self, adapter_name: str) -> None:
+        """Give ``adapter_name`` its own tensors on this layer again (frozen values, copies of the store's), on the base
+        layer's device; the store is freed once no layer reads it. Nothing when it is not packed here."""
+        store = self.packed.get(adapter_name)
+        if store is None:
+            return
+        with torch.inference_mode(False):  # tensors with version counters, even when unpacked inside inference_mode
+            indices, values = store.entries(self.pack_row)
+            exact = store.exact_entries(self.pack_row)
+            self.graft_indices[adapter_name] = indices.clone()
+            self.graft_values[adapter_name] = nn.Parameter(values.clone(), requires_grad=False)
+            if exact is not None:
+                self.graft_exact_positions[adapter_name] = exact[0].clone()
+                self.graft_exact_values[adapter_name] = exact[1].clone()
+        fingerprint, checksum, verify_base = self.base_records(adapter_name)
+        if fingerprint is not None:
+            self.fingerprints[adapter_name] = fingerprint
+        if checksum is not None:
+            self.checksums[adapter_name] = checksum
+        if verify_base is not None:
+            self.verify_base[adapter_name] = verify_base
+        del self.packed[adapter_name]
+        self._forget(adapter_name)  # cached entries and plans would keep the store alive
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+
+    def _forget(self, adapter_name: str) -> None:
+        """Drop the cached entries and in-place plans built from ``adapter_name``'s tensors."""
+        self._entries_cache = {key: item for key, item in self._entries_cache.items() if key[0] != adapter_name}
+        self._in_place_plans = {key: plan for key, plan in self._in_place_plans.items() if adapter_name not in key}
+
+    def base_records(self, adapter_name: str) -> tuple[list[float] | None, str | None, bool | None]:
+        """``(fingerprint, checksum, verify_base)`` recorded of theta_pre for ``adapter_name`` (``None`` if absent)."""
+        store = self.packed.get(adapter_name)
+        if store is None:
+            return (
+                self.fingerprints.get(adapter_name),
+                self.checksums.get(adapter_name),
+                self.verify_base.get(adapter_name),
+            )
+        row = self.pack_row
+        verify_base = store.verify_base[row]
+        return store.fingerprints[row], store.checksums[row], None if verify_base == 2 else bool(verify_base)
+
+    def _all_available_adapter_names(self) -> list[str]:
+        return sorted(set(super()._all_available_adapter_names()) | set(self.packed))
 
     def update_layer(
         self,
@@ -134,7 +201,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         if num_exact:
             self.graft_exact_positions[adapter_name] = torch.zeros(num_exact, dtype=index_dtype, device=device)
             self.graft_exact_values[adapter_name] = torch.zeros(num_exact, device=device)
-        self.fingerprints[adapter_name] = list(fingerprint)
+        # The config's list itself (never mutated): a loaded graft keeps one copy per module, not two.
+        self.fingerprints[adapter_name] = fingerprint if isinstance(fingerprint, list) else list(fingerprint)
         if checksum:
             self.checksums[adapter_name] = checksum
         self.verify_base[adapter_name] = verify_base
@@ -153,6 +221,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         ``indices`` are stored exactly (see the class docstring), the others are ignored.
         """
         check_entries(indices, values, self.num_stored, f"The region of adapter {adapter_name!r}")
+        self.unpack(adapter_name)
         device = self._device()
         requires_grad = adapter_name in self.graft_values and self.graft_values[adapter_name].requires_grad
         self.graft_indices[adapter_name] = indices.to(device, self.space.index_dtype())
@@ -187,7 +256,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 f"Cannot set the scale of adapter {adapter_name!r}: it is learning its region, and a scale applies to "
                 "hard regions only. Harden it first (harden_region())."
             )
-        if adapter_name not in self.graft_values:
+        if not self.has_region(adapter_name):
             return
         if scale == 1.0:
             self.scaling.pop(adapter_name, None)
@@ -197,7 +266,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def check_scale_fits(self, adapter_name: str, scale: float) -> None:
         """Refuse a ``scale`` at which the grafted values of ``adapter_name`` overflow the base tensors' dtype (a
         finite scale times a delta can exceed even fp32's range): the outputs would be inf or NaN."""
-        if adapter_name not in self.graft_values or self.is_learning(adapter_name):
+        if not self.has_region(adapter_name) or self.is_learning(adapter_name):
             return
         for attr in self.stored_attrs:
             entries = self._sparse_entries(adapter_name, attr)
@@ -219,16 +288,28 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def start_learning(self, adapter_name: str, learner: RegionLearner) -> None:
         """Attach the state to learn this adapter's region here, on the base layer's device."""
         self.scaling.pop(adapter_name, None)  # a scale applies to hard regions only
+        self.unpack(adapter_name)
         self.graft_learning[adapter_name] = learner.to(self._device())  # the movement follows S on first use
         if adapter_name in self.graft_values:  # not used while the region is learned: S is what trains
             self.graft_values[adapter_name].requires_grad_(False)
 
     def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
-        """peft's ``set_adapter``; the hard values of an adapter learning its region stay frozen (unused then)."""
+        """peft's ``set_adapter``; the hard values of an adapter learning its region stay frozen (unused then). A packed
+        adapter activated without ``inference_mode`` is unpacked first: peft makes its values trainable."""
+        if not inference_mode:
+            for adapter_name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+                self.unpack(adapter_name)
         super().set_adapter(adapter_names, inference_mode=inference_mode)
         for adapter_name in self.graft_learning:
             if adapter_name in self.graft_values:
                 self.graft_values[adapter_name].requires_grad_(False)
+
+    def set_requires_grad(self, adapter_names: str | list[str], requires_grad: bool = True) -> None:
+        """peft's ``set_requires_grad``; packed adapters made trainable are unpacked first."""
+        if requires_grad:
+            for adapter_name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+                self.unpack(adapter_name)
+        super().set_requires_grad(adapter_names, requires_grad)
 
     def stop_learning(self, adapter_name: str) -> None:
         """Release the learning state of ``adapter_name`` (its hard region stays)."""
@@ -251,6 +332,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return learner.hard if learner.hard is not None else learner.harden()
         if adapter_name in self.graft_indices:
             return self.graft_indices[adapter_name], self.graft_values[adapter_name]
+        store = self.packed.get(adapter_name)
+        if store is not None:
+            return store.entries(self.pack_row)
         return NO_ENTRIES
 
     def exact_entries(
@@ -263,6 +347,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return learner.exact_at(self.entries(adapter_name)[0] if indices is None else indices)
         if adapter_name in self.graft_exact_positions:
             return self.graft_exact_positions[adapter_name], self.graft_exact_values[adapter_name]
+        store = self.packed.get(adapter_name)
+        if store is not None:
+            return store.exact_entries(self.pack_row) or NO_ENTRIES
         return NO_ENTRIES
 
     def region_by_tensor(self, adapter_name: str) -> dict[str, torch.Tensor]:
@@ -301,17 +388,40 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
         Not cached where autograd tracks the values (they are being trained): the values are a view of
         ``graft_values``, and a cached view would either have no path back to them (taken without autograd) or keep a
-        graph alive in the module."""
-        indices, values = self.graft_indices[adapter_name], self.graft_values[adapter_name]
-        tensors = (indices, values, *self.exact_entries(adapter_name))
-        if values.requires_grad and torch.is_grad_enabled():
-            return entries_of(self.space, indices, values, tensors[2:], attr)
-        stamp = tuple((t.data_ptr(), t._version, t.device) for t in tensors)
+        graph alive in the module.
+
+        A packed adapter's tensors are the store's (views are made only when the cache is refreshed); the store is part
+        of the stamp, so unpacking or packing anew refreshes it."""
+        store = self.packed.get(adapter_name)
+        if store is None:
+            indices, values = self.graft_indices[adapter_name], self.graft_values[adapter_name]
+            tensors = (indices, values, *self.exact_entries(adapter_name))
+            if values.requires_grad and torch.is_grad_enabled():
+                return entries_of(self.space, indices, values, tensors[2:], attr)
+        else:
+            tensors = (store, *store.tensors.values())
+        stamp = tuple((t.data_ptr(), t._version, t.device) for t in (tensors if store is None else tensors[1:]))
         cached = self._entries_cache.get((adapter_name, attr))
-        if cached is None or cached[0] != stamp or any(a is not b for a, b in zip(cached[1], tensors, strict=True)):
-            entries = entries_of(self.space, indices, values, tensors[2:], attr)
+        if (
+            cached is None
+            or cached[0] != stamp
+            or len(cached[1]) != len(tensors)
+            or any(a is not b for a, b in zip(cached[1], tensors, strict=True))
+        ):
+            if store is None:
+                entries = entries_of(self.space, tensors[0], tensors[1], tensors[2:], attr)
+            else:
+                entries = entries_of(self.space, *self.entries(adapter_name), self.exact_entries(adapter_name), attr)
             cached = self._entries_cache[(adapter_name, attr)] = (stamp, tensors, entries)  # tensors: ids stay theirs
         return cached[2]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...): a packed adapter that ``fn`` would change
+        (another device or dtype) is unpacked first, so that its tensors are converted as an unpacked adapter's."""
+        for adapter_name, store in list(self.packed.items()):
+            if _changed_by(fn, store):
+                self.unpack(adapter_name)
+        return super()._apply(fn, recurse)
 
     def _device(self) -> torch.device:
         param = next(self.base_layer.parameters(), None)
@@ -320,6 +430,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
         # Values stay fp32 whatever the base dtype (exactness), indices stay integers: move devices only.
         device = device or self._device()
+        store = self.packed.get(adapter_name)
+        if store is not None and store.tensors["values"].device != device:
+            self.unpack(adapter_name)
         for name in ("graft_values", "graft_indices", "graft_exact_positions", "graft_exact_values"):
             container = getattr(self, name)
             if adapter_name in container and container[adapter_name].device != device:
@@ -351,10 +464,12 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Refuse to apply a graft whose entries were never loaded, or one made for other pre-trained values (see
         ``GraftConfig.verify_base``)."""
         self.check_filled(adapter_name)
-        expected = self.fingerprints.get(adapter_name) or []  # a config without it still has its checksum checked
-        if not self.verify_base.get(adapter_name, True) or self.is_learning(adapter_name):
+        fingerprint, expected_checksum, verify_base = self.base_records(adapter_name)
+        expected = fingerprint or []  # a config without it still has its checksum checked
+        if verify_base is False or self.is_learning(adapter_name):
             return
-        indices = self.graft_indices[adapter_name][: len(expected)]
+        all_indices = self.entries(adapter_name)[0]
+        indices = all_indices[: len(expected)]
         found = self.base_values(indices)
         for attr, local, position in self.space.split(indices):
             dtype = getattr(self.base_layer, attr).dtype
@@ -367,16 +482,19 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     "config = GraftConfig.from_pretrained(path); config.verify_base = False; "
                     "PeftModel.from_pretrained(model, path, config=config)."
                 )
-        expected_checksum = self.checksums.get(adapter_name)
-        if expected_checksum and self.base_checksum(self.graft_indices[adapter_name]) != expected_checksum:
+        if expected_checksum and self.base_checksum(all_indices) != expected_checksum:
             raise ValueError(
                 f"Graft {adapter_name!r} was made for a different pre-trained model: tensor values of "
                 f"{type(self.base_layer).__name__} differ from the graft's theta_pre at some of its "
-                f"{self.graft_indices[adapter_name].numel()} grafted entries. Load it onto the base it was made from, "
+                f"{all_indices.numel()} grafted entries. Load it onto the base it was made from, "
                 "or override: config = GraftConfig.from_pretrained(path); config.verify_base = False; "
                 "PeftModel.from_pretrained(model, path, config=config)."
             )
-        self.verify_base[adapter_name] = False  # checked once
+        store = self.packed.get(adapter_name)
+        if store is None:
+            self.verify_base[adapter_name] = False  # checked once
+        else:
+            store.verify_base[self.pack_row] = 0
 
     # ----------------------------------------------------------------------------------------------- forward
     def _contribution(self, adapter_name: str, attr: str) -> SparseEntries | None:
@@ -384,7 +502,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         learner = self.learner(adapter_name)
         if learner is not None and learner.hard is not None:
             return entries_of(self.space, *learner.hard, learner.exact_at(learner.hard[0]), attr)
-        if adapter_name not in self.graft_values:
+        if not self.has_region(adapter_name):
             return None
         self.check_base(adapter_name)
         return self._sparse_entries(adapter_name, attr)
@@ -537,6 +655,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 entry_containers = (layer.graft_indices, layer.graft_values)
                 for container in (*entry_containers, layer.graft_exact_positions, layer.graft_exact_values):
                     plan.watch(tensor_dict(container), adapter_name)
+                plan.watch_slot(layer.packed, adapter_name)
+                store = layer.packed.get(adapter_name)
+                for key in store.tensors if store is not None else ():
+                    plan.watch(store.tensors, key)
                 plan.scales.append((layer.scaling, adapter_name, layer.get_scale(adapter_name)))
                 plan.learning.append((layer.graft_learning._modules, adapter_name))
         if learning:
@@ -608,7 +730,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         for adapter_name in adapter_names:
             if self.is_learning(adapter_name):
                 raise ValueError(f"Adapter {adapter_name!r} is still learning its region: harden it before merging.")
-            if adapter_name in self.graft_values and adapter_name not in self.merged_adapters:
+            if self.has_region(adapter_name) and adapter_name not in self.merged_adapters:
                 self.check_base(adapter_name)
                 if safe_merge:
                     self._merged_values(adapter_name, check_finite=True)
@@ -618,7 +740,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         out = []
         first = not self.merged_adapters  # theta_pre is in the base tensors: exact entries write theta_ft
         for attr in self.stored_attrs:
-            entries = self._sparse_entries(adapter_name, attr) if adapter_name in self.graft_values else None
+            entries = self._sparse_entries(adapter_name, attr) if self.has_region(adapter_name) else None
             if entries is None:
                 out.append(None)
                 continue
@@ -664,6 +786,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     getattr(self.base_layer, attr).data.view(-1)[indices] = original
 
     def delete_adapter(self, adapter_name: str) -> None:
+        self.packed.pop(adapter_name, None)  # the store is freed with the last layer reading it
         super().delete_adapter(adapter_name)
         self.fingerprints.pop(adapter_name, None)
         self.checksums.pop(adapter_name, None)
@@ -671,10 +794,51 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.awaiting_entries.discard(adapter_name)
         self.scaling.pop(adapter_name, None)
         self._in_place_plans.clear()  # frees the deleted adapter's tensors
-        self._entries_cache = {key: item for key, item in self._entries_cache.items() if key[0] != adapter_name}
+        self._forget(adapter_name)
 
     def __repr__(self) -> str:
         return "graft." + super().__repr__()
+
+
+def _changed_by(fn: Any, store: PackedStore) -> bool:
+    """Whether ``fn`` (of ``nn.Module._apply``) would convert a tensor of ``store`` (probed on empty views)."""
+    for tensor in store.tensors.values():
+        probe = tensor[:0]
+        if fn(probe) is not probe:
+            return True
+    return False
+
+
+PACKED_STATE = threading.local()
+"""``PACKED_STATE.omit = True``: ``state_dict()`` leaves packed adapters out in this thread (see
+``GraftModel._remap_adapter_state_dict_for_load``)."""
+
+
+def _packed_state_dict(layer: GraftLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State dict hook: a packed adapter's tensors under the keys its own tensors would have (views of its store, as
+    cheap as the references ``state_dict()`` gives of other tensors; saving copies them, ``GraftModel.
+    _get_adapter_state_dict``), so that its saved files and ``state_dict()`` are those of the unpacked adapter."""
+    if getattr(PACKED_STATE, "omit", False):
+        return
+    row = layer.pack_row
+    for adapter_name, store in layer.packed.items():
+        indices, values = store.entries(row)
+        state_dict[f"{prefix}graft_values.{adapter_name}"] = values
+        state_dict[f"{prefix}graft_indices.{adapter_name}"] = indices
+        exact = store.exact_entries(row)
+        if exact is not None:
+            state_dict[f"{prefix}graft_exact_positions.{adapter_name}"] = exact[0]
+            state_dict[f"{prefix}graft_exact_values.{adapter_name}"] = exact[1]
+
+
+def _unpack_loaded(layer: GraftLayer, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load state dict pre-hook: a packed adapter whose tensors are loaded gets its own tensors first (to load into)."""
+    for adapter_name in list(layer.packed):
+        if any(f"{prefix}{name}.{adapter_name}" in state_dict for name in GRAFT_TENSOR_NAMES):
+            layer.unpack(adapter_name)
+
+
+GRAFT_TENSOR_NAMES = ("graft_values", "graft_indices", "graft_exact_positions", "graft_exact_values")
 
 
 def check_scale(scale: object, name: str = "scale") -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -20,9 +21,10 @@ from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
 from .in_place import model_forward, state_change, suspended_writes, written_in_place
-from .layer import GraftLayer, check_scale
+from .layer import PACKED_STATE, GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .mixed_batch import BASE, mixed_batch_hooks
+from .packed import pack_adapter, release_free_heap
 from .planning import Plan, plan_loaded_graft, plan_new_graft
 
 COMBINATION_RULES = ("average", "sum", "first", "last")
@@ -274,7 +276,29 @@ class GraftModel(BaseTuner):
                 f"Adapter {adapter_name!r} is the only adapter: deleting it would leave a graft model that cannot run. "
                 "Use unload() to get the base model back, or add another adapter first."
             )
+        was_packed = any(adapter_name in layer.packed for layer in self._adapter_modules()[0])
         super().delete_adapter(adapter_name)
+        if was_packed:
+            release_free_heap()
+
+    @changes_state()
+    def pack_adapter(self, adapter_name: str) -> int:
+        """Hold the frozen hard region of ``adapter_name`` in one flat store (``tuner/packed.py``) instead of small
+        tensors on every layer, so that it costs about its bytes in memory; outputs, merges and saved files stay bit
+        for bit the same. Loads for inference (``is_trainable=False``) do it; a layer unpacks before anything could
+        train the adapter (``set_adapter`` without ``inference_mode``, ``set_requires_grad``) or change its tensors.
+        Layers where the adapter is trainable or learning its region are left as they are. Returns the bytes packed."""
+        self._check_adapter(adapter_name)
+        packed = sum(store.nbytes() for store in pack_adapter(self._adapter_modules()[0], adapter_name))
+        release_free_heap()  # what loading and packing freed (see release_free_heap)
+        return packed
+
+    @changes_state()
+    def unpack_adapter(self, adapter_name: str) -> None:
+        """Give ``adapter_name`` its own tensors on every layer again (undoes :meth:`pack_adapter`)."""
+        self._check_adapter(adapter_name)
+        for layer in self._adapter_modules()[0]:
+            layer.unpack(adapter_name)
 
     def _adapter_modules(self) -> tuple[list[GraftLayer], list[AuxiliaryTrainingWrapper]]:
         key = tuple(self.peft_config)  # layers and wrappers only change when adapters are added or deleted
@@ -316,7 +340,7 @@ class GraftModel(BaseTuner):
     def get_scale(self, adapter_name: str | None = None) -> float:
         """The run-time scale of an adapter (default: the first active one); 1.0 unless :meth:`set_scale` changed it."""
         name = self._scale_adapters(adapter_name)[0]
-        scales = {layer.get_scale(name) for layer in self._adapter_modules()[0] if name in layer.graft_values}
+        scales = {layer.get_scale(name) for layer in self._adapter_modules()[0] if layer.has_region(name)}
         if len(scales) > 1:
             raise ValueError(f"The graft layers of adapter {name!r} have different scales {sorted(scales)}.")
         return scales.pop() if scales else 1.0
@@ -507,6 +531,10 @@ class GraftModel(BaseTuner):
                 module.check_filled(adapter_name)
         out = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         out = {k: v for k, v in out.items() if f".{GRAFT_PREFIX}learning." not in k}
+        for key, tensor in out.items():  # views of a packed adapter's store: their own storage, as safetensors needs
+            nbytes = tensor.numel() * tensor.element_size()
+            if f".{GRAFT_PREFIX}" in key and tensor.untyped_storage().nbytes() != nbytes:
+                out[key] = tensor.clone()
         for name, module in model.named_modules():
             if isinstance(module, GraftLayer) and module.is_learning(adapter_name):
                 indices, values = module.entries(adapter_name)
@@ -522,9 +550,19 @@ class GraftModel(BaseTuner):
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        """Check the checkpoint against the config and the model before anything is loaded."""
+        """Check the checkpoint against the config and the model before anything is loaded; a packed adapter gets its
+        own tensors back to load into (peft maps the keys onto the model's tensors of the adapter)."""
         check_graft_state_dict(model, config, state_dict, adapter_name)
-        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        for module in model.modules():
+            if isinstance(module, GraftLayer):
+                module.unpack(adapter_name)
+        # peft maps the keys through model.state_dict(), where only this (now unpacked) adapter's keys matter: the
+        # views of every packed graft would cost the n-th load about a tensor object per tensor of the n - 1 others.
+        PACKED_STATE.omit = True
+        try:
+            return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        finally:
+            PACKED_STATE.omit = False
 
 
 GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
@@ -722,16 +760,15 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
         if isinstance(module, GraftLayer):
             indices, _ = module.entries(adapter_name)
             if indices.numel():
-                key = name.removeprefix(PEFT_PREFIX)
+                key = sys.intern(name.removeprefix(PEFT_PREFIX))  # shared by every graft's config (issue 28)
                 counts[key] = int(indices.numel())
                 num_exact = int(module.exact_entries(adapter_name, indices)[0].numel())
                 if num_exact:
                     exact[key] = num_exact
-                hard = adapter_name in module.graft_values and not module.is_learning(adapter_name)
-                fingerprints[key] = (
-                    module.fingerprints[adapter_name] if hard else module.base_values(indices[:2]).tolist()
-                )
-                checksum = module.checksums.get(adapter_name) if hard else module.base_checksum(indices)
+                hard = module.has_region(adapter_name) and not module.is_learning(adapter_name)
+                fingerprint, checksum, _ = module.base_records(adapter_name) if hard else (None, None, None)
+                fingerprints[key] = fingerprint if hard else module.base_values(indices[:2]).tolist()
+                checksum = checksum if hard else module.base_checksum(indices)
                 if checksum:
                     checksums[key] = checksum
     config.grafted_modules, config.base_fingerprint, config.base_checksum = counts, fingerprints, checksums

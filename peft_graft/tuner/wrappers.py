@@ -31,6 +31,7 @@ from .persistence import (
     wrap_load,
     wrap_peft_type_reader,
     wrap_push,
+    wrap_safe_load_file,
     wrap_save,
     wrap_torch_load,
     wrap_transformers_load,
@@ -203,5 +204,6 @@ def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
         (Trainer, "train", wrap_trainer_train),
         (Trainer, "evaluation_loop", wrap_evaluation_loop),
         (save_and_load, "torch_load", wrap_torch_load),
+        (save_and_load, "safe_load_file", wrap_safe_load_file),
         (modeling_utils, "_get_resolved_checkpoint_files", wrap_checkpoint_resolution),
     ]
