@@ -19,12 +19,9 @@ import ctypes.util
 import functools
 from array import array
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .layer import GraftLayer
+from torch import nn
 
 RELEASE_FREE_HEAP = True
 """Hand the C heap's free pages back to the system after a graft is packed or a packed graft deleted
@@ -66,8 +63,9 @@ class PackedStore:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def can_pack(layer: GraftLayer, adapter_name: str) -> bool:
-    """Whether ``layer`` holds a frozen hard region of ``adapter_name`` in its own tensors, with its entries loaded."""
+def can_pack(layer: nn.Module, adapter_name: str) -> bool:
+    """Whether ``layer`` (a ``GraftLayer``: typed as a module, layer.py imports this one) holds a frozen hard region of
+    ``adapter_name`` in its own tensors, with its entries loaded."""
     if adapter_name not in layer.graft_values or layer.is_learning(adapter_name):
         return False
     if layer.graft_values[adapter_name].requires_grad:
@@ -79,14 +77,14 @@ def can_pack(layer: GraftLayer, adapter_name: str) -> bool:
     return True
 
 
-def pack_adapter(layers: Iterable[GraftLayer], adapter_name: str) -> list[PackedStore]:
+def pack_adapter(layers: Iterable[nn.Module], adapter_name: str) -> list[PackedStore]:
     """Move the frozen hard region of ``adapter_name`` on ``layers`` into flat stores (one per index dtype and device),
     each layer reading its row (``pack_row``, given to the layers without one, after the others: ``layers`` are all the
     model's graft layers). Layers where it is not frozen and hard (:func:`can_pack`) are left as they are. Everything
     is concatenated before any layer changes. Returns the stores made."""
     layers = list(layers)
     next_row = max((layer.pack_row for layer in layers if layer.pack_row is not None), default=-1) + 1
-    groups: dict[tuple, list[GraftLayer]] = {}
+    groups: dict[tuple, list[nn.Module]] = {}
     for layer in layers:
         if can_pack(layer, adapter_name):
             indices = layer.graft_indices[adapter_name]
