@@ -44,6 +44,9 @@ GRAFT_IN_PLACE_INFERENCE = True
 # that warning says nothing the user can act on.
 UNSUPPORTED_LAYER_WARNING = r"Unsupported layer type '.*' encountered, proceed at your own risk\."
 
+GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
+"""The containers of a hard region's tensors on a graft layer, by attribute name (and state-dict key part)."""
+
 
 def in_out_features(base_layer: nn.Module) -> tuple[int | None, int | None]:
     """peft's ``_get_in_out_features`` of ``base_layer`` (``(None, None)`` if unknown), without its warning about
@@ -128,7 +131,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def attach_packed(self, adapter_name: str, store: PackedStore) -> None:
         """Read the entries of ``adapter_name`` (and its records of theta_pre) from row ``pack_row`` of ``store`` from
         now on, dropping the layer's own (:func:`~peft_graft.tuner.packed.pack_adapter` made the store from them)."""
-        for container in (self.graft_indices, self.graft_values, self.graft_exact_positions, self.graft_exact_values):
+        for name in GRAFT_TENSORS:
+            container = getattr(self, name)
             if adapter_name in container:
                 del container[adapter_name]
         for record in (self.fingerprints, self.checksums, self.verify_base):
@@ -433,7 +437,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         store = self.packed.get(adapter_name)
         if store is not None and store.tensors["values"].device != device:
             self.unpack(adapter_name)
-        for name in ("graft_values", "graft_indices", "graft_exact_positions", "graft_exact_values"):
+        for name in GRAFT_TENSORS:
             container = getattr(self, name)
             if adapter_name in container and container[adapter_name].device != device:
                 item = container[adapter_name]
@@ -834,11 +838,8 @@ def _packed_state_dict(layer: GraftLayer, state_dict: dict, prefix: str, local_m
 def _unpack_loaded(layer: GraftLayer, state_dict: dict, prefix: str, *args: Any) -> None:
     """Load state dict pre-hook: a packed adapter whose tensors are loaded gets its own tensors first (to load into)."""
     for adapter_name in list(layer.packed):
-        if any(f"{prefix}{name}.{adapter_name}" in state_dict for name in GRAFT_TENSOR_NAMES):
+        if any(f"{prefix}{name}.{adapter_name}" in state_dict for name in GRAFT_TENSORS):
             layer.unpack(adapter_name)
-
-
-GRAFT_TENSOR_NAMES = ("graft_values", "graft_indices", "graft_exact_positions", "graft_exact_values")
 
 
 def check_scale(scale: object, name: str = "scale") -> float:

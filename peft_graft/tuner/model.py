@@ -21,7 +21,7 @@ from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
 from .in_place import model_forward, state_change, suspended_writes, written_in_place
-from .layer import PACKED_STATE, GraftLayer, check_scale
+from .layer import GRAFT_TENSORS, PACKED_STATE, GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
 from .mixed_batch import BASE, mixed_batch_hooks
 from .packed import pack_adapter, release_free_heap
@@ -563,10 +563,6 @@ class GraftModel(BaseTuner):
             return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         finally:
             PACKED_STATE.omit = False
-
-
-GRAFT_TENSORS = ("graft_indices", "graft_values", "graft_exact_positions", "graft_exact_values")
-"""The tensors a graft layer saves per adapter."""
 
 
 def check_graft_tensors(
