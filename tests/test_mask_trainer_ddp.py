@@ -59,8 +59,7 @@ def test_an_evaluation_before_training_is_refused_under_ddp(tmp_path, monkeypatc
     monkeypatch.setenv("EVALUATE_FIRST", "1")
     single = run_command([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)  # one process: nothing to wrap
     assert "world_size=1" in single
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [*TORCHRUN, SCRIPT, str(tmp_path / "two")]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "evaluated before its first training" in result.stderr

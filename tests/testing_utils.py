@@ -200,7 +200,7 @@ def allow_fsdp_on_cpu() -> None:
 def run_command(command: list[str], cwd) -> str:
     """Run ``command`` (e.g. ``[*TORCHRUN, script, ...]``) on CPU threads only; its stdout, or a failed assertion."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU processes, also where a GPU is visible (one GPU serves no 2 ranks)
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout

@@ -113,7 +113,9 @@ class RegionLearner(nn.Module):
             return self.entries_at(positions)
 
     def entries_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(flat indices, movement)`` at sorted ``positions`` in S."""
+        """``(flat indices, movement)`` at sorted ``positions`` in S, on the device of S (positions chosen on the CPU,
+        e.g. by :func:`harden_exact`, would otherwise give CPU indices beside values on a GPU)."""
+        positions = positions.to(self.scores.device)
         return self.flat_indices(positions), self._movement()[positions]
 
     def exact_at(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
