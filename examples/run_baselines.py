@@ -19,8 +19,8 @@ Reads the run folder that ``run_pipeline.py`` wrote (``finetuned/``, ``graft_*/`
 
 Writes ``summary.md``, ``results.json`` and the figures to ``--report_dir``::
 
-    python examples/run_pipeline.py                                   # the main command (outputs/pipeline/minilm_mr)
-    python examples/run_baselines.py --run_dir outputs/pipeline/minilm_mr --report_dir reports/baselines_mr
+    python examples/run_pipeline.py --few_shot                        # outputs/pipeline/minilm_mr_few_shot
+    python examples/run_baselines.py --run_dir outputs/pipeline/minilm_mr_few_shot --report_dir reports/baselines_mr
 
 Like ``run_pipeline.py``, it runs the other scripts in this process through their ``main(argv)``.
 """
@@ -59,7 +59,7 @@ SELECTIONS = {"fim": "FIM top", "fim_bottom": "FIM bottom", "random": "random"}
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run_dir", required=True, help="run_pipeline.py's run folder (outputs/pipeline/minilm_mr).")
+    parser.add_argument("--run_dir", required=True, help="run_pipeline.py's run folder (outputs/pipeline/minilm_trec).")
     parser.add_argument("--model_name_or_path", default=None, help="theta_pre (default: the packaged MiniLM).")
     parser.add_argument("--report_dir", default=None, help="Default: reports/baselines_<run folder name>.")
     parser.add_argument("--fisher_samples", type=int, default=128, help="Training examples of the Fisher estimates.")

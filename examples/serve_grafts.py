@@ -10,8 +10,8 @@ and the forward), plus a summary with the throughput. ``--mode per_task`` serves
 The grafts (``--graft TASK=FOLDER``) are folders saved by ``examples/run_graft.py``, e.g. the main command's and the
 other tasks' (the same pre-trained MiniLM under all three)::
 
-    python examples/run_pipeline.py                 # outputs/pipeline/minilm_mr/graft_0.0001
-    python examples/run_pipeline.py --task trec     # outputs/pipeline/minilm_trec/graft_0.0001
+    python examples/run_pipeline.py --task mr       # outputs/pipeline/minilm_mr/graft_0.0001
+    python examples/run_pipeline.py                 # outputs/pipeline/minilm_trec/graft_0.0001
     python examples/run_pipeline.py --task sms      # outputs/pipeline/minilm_sms/graft_0.0001
     python examples/serve_grafts.py --requests requests.jsonl --output_dir outputs/serving \\
         --graft mr=outputs/pipeline/minilm_mr/graft_0.0001 --graft trec=outputs/pipeline/minilm_trec/graft_0.0001 \\

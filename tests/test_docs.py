@@ -19,6 +19,7 @@ required, and every such block must be listed in ``ALLOWED_SKIPS`` (file name an
 from __future__ import annotations
 
 import copy
+import json
 import re
 import traceback
 from pathlib import Path
@@ -117,3 +118,38 @@ def test_every_guide_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     for path in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "merging.md"]:
         assert f"](docs/{path.name})" in readme, f"README.md does not link docs/{path.name}"
+
+
+MAIN_RUN_RESULTS = ROOT / "benchmarks" / "figures" / "main_trec_seed42.json"  # results.json of the README's main run
+ROW = re.compile(
+    r"^\| (?P<model>[^|]+?) \((?P<entries>[^)]+)\) \| (?P<acc>[\d.]+) / (?P<ece>[\d.]+) "
+    r"\| (?P<ts>[\d.]+) \| (?P<agree>[\d.]+) \|$"
+)  # "| learned graft (2,271 = 0.01%) | **78.6** / 50.6 | 5.1 | 78.5 |", bold removed first
+
+
+def _model_key(label: str, entries: str) -> str:
+    """README row label -> the model's key in results.json (``learned graft (2,271 = 0.01%)`` -> ``learned k=2271``)."""
+    if entries in ("all", "0"):
+        return {"fine-tuned": "fine-tuned", "pre-trained + FT head": "pre-trained + FT head"}[label]
+    size = entries.split(" = ")[0].replace(",", "")
+    return f"{label.removesuffix(' graft')} k={size}"
+
+
+def test_the_readme_results_table_is_the_main_runs_report():
+    """README's main table is the report of the committed main run (``reports/minilm_trec/results.json``, copied to
+    benchmarks/figures), rounded as printed: a figure edited by hand, or a run that changed, fails here."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Results") :]
+    start = section.index("| model (entries)")
+    table = section[start : section.index("\n\n", start)]
+    rows = [ROW.match(line.replace("**", "")) for line in table.splitlines()[2:]]
+    assert rows and all(rows), table
+    metrics = json.loads(MAIN_RUN_RESULTS.read_text())["metrics"]
+    (models,) = metrics.values()
+    assert len(rows) == len(models) // 2  # every model of the report, and its temperature-scaled row
+    for row in rows:
+        key = _model_key(row["model"], row["entries"])
+        plain, scaled = models[key], models[f"{key} + TS"]
+        printed = [float(row[name]) for name in ("acc", "ece", "ts", "agree")]
+        expected = [round(100 * v, 1) for v in (plain["accuracy"], plain["ece"], scaled["ece"], plain["agreement"])]
+        assert printed == expected, key

@@ -22,6 +22,8 @@ import run_pipeline  # noqa: E402
         ["--causal_smoke", "--paper_size"],
         ["--many_shot", "--paper_size"],
         ["--many_shot", "--causal"],
+        ["--few_shot", "--many_shot"],
+        ["--few_shot", "--causal"],
     ],
 )
 def test_presets_are_mutually_exclusive(flags, capsys):
@@ -74,6 +76,53 @@ def test_many_shot_preset_is_the_papers_shot_count_with_stated_budgets():
     assert many["k_shot"] == 4096 and many["mask_steps"] == 100  # the paper's 4096-shot setting, 100 mask steps
     assert many["fractions"] == (1e-5, 1e-4, 1e-3, 1e-2)  # Figure 2: 0.001% ... 1%
     assert many["ft_steps"] < 16 * 2 * 512  # the stated budget, below the paper's 16 x n x min(k, 512)
+
+
+def _settings(*flags: str) -> tuple[str, dict]:
+    """What ``run_pipeline.main(flags)`` would run, from its own parser (stopped before any work)."""
+    seen, original = {}, run_pipeline.run_settings
+
+    def stop(args):
+        seen["run"] = original(args)
+        raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_pipeline, "run_settings", stop)
+        with pytest.raises(SystemExit):
+            run_pipeline.main(list(flags))
+    return seen["run"]
+
+
+def test_the_main_run_is_the_many_shot_set_up_on_trec_at_two_sizes():
+    """Issue 25, item 6: the main command fine-tunes on all of TREC (where fine-tuning beats the 0-entry model by far)
+    with the many-shot settings, at the sizes where the learned region and top-k movement differ most."""
+    run, settings = _settings()
+    assert run == "minilm_trec" and settings["task"] == "trec" and settings["preset"] == "main"
+    many = run_pipeline.MANY_SHOT
+    assert {k: v for k, v in settings.items() if k in many and k != "fractions"} == {
+        k: v for k, v in many.items() if k != "fractions"
+    }
+    assert settings["fractions"] == (1e-4, 1e-3) and set(settings["fractions"]) < set(many["fractions"])
+    assert settings["all_data"]  # every question of a class with fewer than 4096, fine-tuning resumable
+    assert _settings("--task", "mr")[0] == "minilm_mr"
+
+
+@pytest.mark.parametrize(
+    ("flags", "run", "k_shot"),
+    [
+        (["--few_shot"], "minilm_mr_few_shot", 64),  # the earlier main run, as its figures were measured
+        (["--few_shot", "--task", "trec"], "minilm_trec_few_shot", 32),  # TREC's smallest class has 40
+        (["--many_shot"], "minilm_mr_many_shot", 4096),
+        (["--many_shot", "--task", "sms", "--seed", "1"], "minilm_sms_many_shot_seed1", 4096),
+        (["--causal"], "smollm2_mr_causal", 16),
+        (["--causal", "--k_shot", "512"], "smollm2_mr_causal_k512", 512),
+        (["--paper_size"], "minilm_mr_paper_size", 512),
+    ],
+)
+def test_every_other_set_up_is_one_flag_away(flags, run, k_shot):
+    name, settings = _settings(*flags)
+    assert name == run and settings["k_shot"] == k_shot
+    assert settings["all_data"] == (flags[0] == "--many_shot")
 
 
 def _pool(tmp_path, counts: dict[int, int]) -> str:
