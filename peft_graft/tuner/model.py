@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -756,19 +755,21 @@ def _record_layout(model: nn.Module, config: GraftConfig, adapter_name: str) -> 
         if isinstance(module, GraftLayer):
             indices, _ = module.entries(adapter_name)
             if indices.numel():
-                key = sys.intern(name.removeprefix(PEFT_PREFIX))  # shared by every graft's config (issue 28)
+                key = name.removeprefix(PEFT_PREFIX)
                 counts[key] = int(indices.numel())
                 num_exact = int(module.exact_entries(adapter_name, indices)[0].numel())
                 if num_exact:
                     exact[key] = num_exact
-                hard = module.has_region(adapter_name) and not module.is_learning(adapter_name)
-                fingerprint, checksum, _ = module.base_records(adapter_name) if hard else (None, None, None)
-                fingerprints[key] = fingerprint if hard else module.base_values(indices[:2]).tolist()
-                checksum = checksum if hard else module.base_checksum(indices)
+                if module.has_region(adapter_name) and not module.is_learning(adapter_name):
+                    fingerprint, checksum, _ = module.base_records(adapter_name)
+                else:
+                    fingerprint, checksum = module.base_values(indices[:2]).tolist(), module.base_checksum(indices)
+                fingerprints[key] = fingerprint
                 if checksum:
                     checksums[key] = checksum
     config.grafted_modules, config.base_fingerprint, config.base_checksum = counts, fingerprints, checksums
     config.exact_entries = exact
+    config._intern_module_names()  # one copy of each module name, shared by every graft's config (issue 28)
 
 
 def _creation_provenance(plan: Plan, config: GraftConfig, model: nn.Module) -> dict:

@@ -119,11 +119,10 @@ def pack_adapter(layers: Iterable[nn.Module], adapter_name: str) -> list[PackedS
                 for key in STORE_KEYS
             }
         store = PackedStore(tensors, array("i" if count < 2**31 else "q", bounds), rows)
-        for layer in members:
+        for layer in members:  # the layer's records of theta_pre move to the store with its entries
             store.fingerprints[layer.pack_row] = layer.fingerprints.get(adapter_name)
             store.checksums[layer.pack_row] = layer.checksums.get(adapter_name)
             store.verify_base[layer.pack_row] = int(layer.verify_base.get(adapter_name, 2))
-        for layer in members:
             layer.attach_packed(adapter_name, store)
         made.append(store)
     return made
