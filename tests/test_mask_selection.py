@@ -14,7 +14,12 @@ from test_mask_trainer import Probe, _probe_task, planted_flipped_trainer
 from testing_utils import fast_args
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
-from peft_graft.training.mask_selection import SignificantSelection, per_example_correct, sign_test_p_value
+from peft_graft.training.mask_selection import (
+    SignificantSelection,
+    per_example_correct,
+    region_change,
+    sign_test_p_value,
+)
 
 
 # ------------------------------------------------------------------------------------------ the statistics
@@ -136,12 +141,18 @@ def _planted_run(tmp_path, selection_alpha):
 
 
 def test_a_noisy_win_on_few_examples_does_not_replace_gamma_base(tmp_path):
-    kept_start, trainer, before, after = _planted_run(tmp_path / "plain", selection_alpha=None)
-    assert not kept_start and trainer.mask_report["selected_step"] > 0 and after < before  # the failure
+    kept_start, plain, before, after = _planted_run(tmp_path / "plain", selection_alpha=None)
+    assert not kept_start and plain.mask_report["selected_step"] > 0 and after < before  # the failure
     kept_start, trainer, before, after = _planted_run(tmp_path / "guarded", selection_alpha=0.05)
     assert kept_start and after == before
     report = trainer.mask_report
-    assert report["selected_step"] == 0 and report["evaluated_masks"] == 4 and report["selection_p_value"] == 1.0
+    assert report["selected_step"] == 0 and report["evaluated_masks"] == 4
+    # gamma_base is the reference, never tested: no p-value of its own (issue 37: it was reported as 1.0); the best
+    # learned mask, rejected, keeps its p-value and the step it came from, the one the paper's selection keeps (right
+    # on 1 of the 3 noisy examples where gamma_base is right on none: 1 win, 0 losses, p = 1/2)
+    assert "selection_p_value" not in report
+    assert report["best_learned_p_value"] == 0.5 and report["best_learned_step"] == plain.mask_report["selected_step"]
+    assert report["entries_changed_from_start"] == 0 and report["iou_with_start"] == 1.0
 
 
 def test_a_significantly_better_mask_is_kept(tmp_path):
@@ -158,6 +169,8 @@ def test_a_significantly_better_mask_is_kept(tmp_path):
     trainer.train()
     report = trainer.mask_report
     assert report["selected_step"] > 0 and report["selection_p_value"] * report["evaluated_masks"] <= 0.01
+    assert report["best_learned_step"] == report["selected_step"]  # the kept mask is the best learned one here
+    assert report["best_learned_p_value"] == report["selection_p_value"]
     assert trainer.evaluate()["eval_accuracy"] > before and model.get_region().num_entries == 4
 
 
@@ -224,3 +237,38 @@ def test_selection_alpha_needs_evaluations_by_accuracy(tmp_path, fields, with_de
     args = fast_args(tmp_path, **{"eval_strategy": "steps", "eval_steps": 1, **fields, "selection_alpha": 0.05})
     with pytest.raises(ValueError, match=message):
         MaskTrainer(model=model, args=args, train_dataset=data, eval_dataset=data if with_dev else None)
+
+
+# ------------------------------------------------------------------------------------------ how far the region moved
+def test_the_report_says_how_far_the_kept_region_moved_from_gamma_base(tmp_path):
+    """entries_changed_from_start is the symmetric difference with gamma_base, iou_with_start their IoU (issue 37)."""
+    task = _two_class_task()
+    dev = Dataset.from_dict({"x": task[2][:3].tolist(), "labels": (1 - task[3][:3]).tolist()})
+    trainer, start = planted_flipped_trainer(tmp_path, task, dev, _accuracy)
+    trainer.train()
+    region = trainer.model.get_region()
+    common, union = (start & region).num_entries, (start | region).num_entries
+    report = trainer.mask_report
+    assert report["entries_changed_from_start"] == union - common > 0
+    assert report["iou_with_start"] == pytest.approx(common / union) and report["iou_with_start"] < 1.0
+
+
+def test_region_change_counts_entries_over_modules():
+    entries = lambda *idx: (torch.tensor(idx, dtype=torch.long), torch.ones(len(idx)))  # noqa: E731
+    start = {"a": entries(0, 1, 2), "b": entries(5)}
+    kept = {"a": entries(1, 2, 3), "c": entries(7, 8)}
+    # a: {0, 1, 2} vs {1, 2, 3}; b: {5} vs {}; c: {} vs {7, 8}: 2 shared, 7 in the union
+    assert region_change(start, kept) == {"entries_changed_from_start": 5, "iou_with_start": 2 / 7}
+    assert region_change({}, {}) == {"entries_changed_from_start": 0, "iou_with_start": 1.0}
+
+
+def test_the_best_learned_mask_is_recorded_whether_it_passes_or_not():
+    """The best learned mask by the selection metric (ties: the earlier), with its own p-value, passing or not."""
+    selection = SignificantSelection(alpha=0.05, greater_is_better=True)
+    reference = np.zeros(10, dtype=bool)
+    selection.offer(0.0, 0, reference, {})
+    selection.offer(0.3, 10, np.r_[np.ones(3, bool), np.zeros(7, bool)], {})  # 3-0: p = 1/8
+    selection.offer(0.3, 20, np.r_[np.zeros(7, bool), np.ones(3, bool)], {})  # a tie: the earlier stays
+    selection.offer(0.2, 30, np.r_[np.ones(2, bool), np.zeros(8, bool)], {})
+    best = selection.best_learned
+    assert best.step == 10 and best.p_value == pytest.approx(0.125) and selection.choice() is selection.start

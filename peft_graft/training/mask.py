@@ -35,7 +35,7 @@ from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
 from ..tuner.provenance import numeric_metrics
 from .losses import LossTermsTrainer
-from .mask_selection import Entries, SignificantSelection, copy_entries, per_example_correct
+from .mask_selection import Entries, SignificantSelection, copy_entries, per_example_correct, region_change
 
 logger = logging.getLogger(__name__)
 
@@ -467,9 +467,16 @@ class MaskTrainer(LossTermsTrainer):
         """The mask :class:`SignificantSelection` keeps becomes the one hardening applies."""
         selection = self._selection
         chosen = selection.choice()
-        if chosen is not None:
-            self._best = (chosen.value, chosen.step, chosen.entries)
-            self._selection_report = {"evaluated_masks": selection.evaluated, "selection_p_value": chosen.p_value}
+        if chosen is None:
+            return
+        self._best = (chosen.value, chosen.step, chosen.entries)
+        report = {"evaluated_masks": selection.evaluated}
+        if chosen is not selection.start:  # gamma_base is the reference, not tested
+            report["selection_p_value"] = chosen.p_value
+        best = selection.best_learned
+        if best is not None:  # kept or not: how far the best learned mask was from passing
+            report.update(best_learned_step=best.step, best_learned_p_value=best.p_value)
+        self._selection_report = report
 
     def finalize_mask(self) -> int:
         """Harden the learned region in place; returns its size.
@@ -479,6 +486,7 @@ class MaskTrainer(LossTermsTrainer):
         """
         rounded = self.num_grafted_entries()
         best = self._best
+        change = region_change(self.starting_entries(), best[2] if best is not None else self.kept_entries())
         if best is not None:
             kept = self.model.base_model.harden_region(self.adapter_name, entries=best[2])
         else:
@@ -488,7 +496,7 @@ class MaskTrainer(LossTermsTrainer):
                 "The learned region is empty (no gamma reached 0.5): raise learning_rate or max_steps, or set "
                 "num_entries to keep the entries of largest gamma."
             )
-        self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept}
+        self.mask_report = {"grafted_entries_rounded": rounded, "grafted_entries": kept, **change}
         if best is not None:
             self.mask_report["selected_step"] = best[1]
             self.mask_report.update(self._selection_report)

@@ -4,7 +4,9 @@ Keeping the best of m evaluated masks by accuracy on a few hundred examples also
 there and none on held-out data. With ``selection_alpha`` a learned mask replaces the starting mask (gamma_base) only
 if it is more accurate on the selection examples with a one-sided exact sign test (McNemar's test on the examples one
 mask gets right and the other wrong) at level ``alpha / m``, Bonferroni over the m learned masks evaluated. Among
-those that pass, the best selection metric wins (the earlier on ties); if none passes, gamma_base stays.
+those that pass, the best selection metric wins (the earlier on ties); if none passes, gamma_base stays. Whether kept
+or not, the best learned mask by the selection metric (the one ``selection_alpha=None`` would keep) is recorded with
+its p-value (:attr:`SignificantSelection.best_learned`), so a run shows how far the learned masks were from passing.
 
 Hand-written: the exact binomial tail is a few lines of ``torch.lgamma``, and scipy is not a dependency.
 """
@@ -84,6 +86,7 @@ class SignificantSelection:
         self.reference: np.ndarray | None = None
         self.start: Candidate | None = None
         self.candidates: list[Candidate] = []
+        self.best_learned: Candidate | None = None  # best selection metric among the learned masks (its entries: {})
         self.evaluated = 0  # learned masks compared with the start (the m of the Bonferroni correction)
 
     def offer(self, value: float, step: int, correct: np.ndarray, entries: Entries) -> None:
@@ -100,6 +103,9 @@ class SignificantSelection:
         wins = int((correct & ~self.reference).sum())
         losses = int((self.reference & ~correct).sum())
         p_value = sign_test_p_value(wins, losses)
+        sign = 1.0 if self.greater_is_better else -1.0
+        if self.best_learned is None or sign * value > sign * self.best_learned.value:  # ties: the earlier
+            self.best_learned = Candidate(value, step, p_value, {})
         if p_value <= self.alpha:  # the Bonferroni bound only grows, so others can never pass
             self.candidates.append(Candidate(value, step, p_value, copy_entries(entries)))
 
@@ -110,6 +116,20 @@ class SignificantSelection:
             return self.start
         sign = 1.0 if self.greater_is_better else -1.0
         return max(passing, key=lambda c: (sign * c.value, -c.step))
+
+
+def region_change(start: Entries, kept: Entries) -> dict[str, float]:
+    """How far the kept region moved from the starting one, over the entries of every module:
+    ``entries_changed_from_start``, the size of their symmetric difference (entries dropped plus entries added), and
+    ``iou_with_start``, their intersection over union (1.0: the same region; 1.0 too when both are empty)."""
+    common = union = 0
+    for module in start.keys() | kept.keys():
+        a = start[module][0] if module in start else torch.empty(0, dtype=torch.long)
+        b = kept[module][0] if module in kept else torch.empty(0, dtype=torch.long)
+        shared = int(torch.isin(a, b).sum())
+        common += shared
+        union += int(a.numel()) + int(b.numel()) - shared
+    return {"entries_changed_from_start": union - common, "iou_with_start": common / union if union else 1.0}
 
 
 def copy_entries(entries: Entries) -> Entries:
