@@ -8,6 +8,8 @@
 * ``"task_arithmetic"``, ``"ties"``, ``"dare_ties"``, ``"dare_linear"``: peft's :mod:`peft.utils.merge_utils`
   functions on the task vectors ``tau_t`` (a graft's stored deltas, 0 off its region), with ``weights`` (the scaling
   ``lambda``, one number or one per graft) and ``density``.
+* ``"consensus_ta"``, ``"consensus_ties"`` (Consensus merging, Wang et al., ICML 2024): task arithmetic or TIES on the
+  task vectors after dropping the entries that fewer than ``consensus_k`` tasks' TALL masks hold.
 
 peft applies these functions tensor by tensor (to one LoRA delta at a time); here they get each task's *whole* task
 vector at once, flattened over the union of the grafts' entries, so that TIES's magnitude trim keeps the top
@@ -45,9 +47,11 @@ from .regions import Region
 from .tuner.layer import GraftLayer
 from .tuner.model import GraftModel, _combine, _exact_after_combining, _record_layout, check_adapter_name
 
-MERGE_RULES = ("stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear")
-DENSITY_RULES = ("stitch_dataless", "ties", "dare_ties", "dare_linear")
-WEIGHTED_RULES = ("task_arithmetic", "ties", "dare_ties", "dare_linear")
+MERGE_RULES = ("stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta",
+               "consensus_ties")  # fmt: skip
+DENSITY_RULES = ("stitch_dataless", "ties", "dare_ties", "dare_linear", "consensus_ties")
+WEIGHTED_RULES = ("task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties")
+CONSENSUS_RULES = ("consensus_ta", "consensus_ties")
 HEADS_FILE = "task_heads.safetensors"
 
 
@@ -150,6 +154,8 @@ def merge_grafts(
     majority_sign_method: str = "total",
     seed: int = 0,
     exclude: Region | None = None,
+    consensus_k: int = 2,
+    tall_lambda: float = 1.0,
 ) -> MergedGraft:
     """Merge task grafts of ``model``'s base into one new graft adapter ``adapter_name`` by ``rule``.
 
@@ -164,6 +170,8 @@ def merge_grafts(
         majority_sign_method: TIES/DARE-TIES sign election: ``"total"`` or ``"frequency"`` (peft's).
         seed: Seed of DARE's random drops.
         exclude: Entries never merged (by parameter name), e.g. where the task regions overlap.
+        consensus_k: For the consensus rules: an entry is kept when at least this many tasks' TALL masks hold it.
+        tall_lambda: For the consensus rules: task t's TALL mask holds ``|tau_t| > tall_lambda * |tau_MTL - tau_t|``.
 
     Returns:
         The :class:`MergedGraft` (the model holds the new adapter, with the first task's head active in it). On any
@@ -176,6 +184,7 @@ def merge_grafts(
     if not sources:
         raise ValueError("grafts is empty: give at least one task graft to merge.")
     options = _check_options(rule, len(sources), weights, density, majority_sign_method, seed)
+    options.update(_consensus_options(rule, len(sources), consensus_k, tall_lambda))
     check_adapter_name(adapter_name)
     if adapter_name in model.peft_config:
         raise ValueError(f"An adapter named {adapter_name!r} already exists: choose another adapter_name.")
@@ -327,11 +336,13 @@ def _merged_entries(tuner: GraftModel, names: dict[str, str], rule: str, options
         keep = kept.any(0)
         values = torch.nan_to_num(values, nan=0.0)
     else:
+        if rule in CONSENSUS_RULES:
+            taus = _consensus(taus, options["consensus_k"], options["tall_lambda"])
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(options["seed"])
-            if rule == "task_arithmetic":
+            if rule in ("task_arithmetic", "consensus_ta"):
                 values = merge_utils.task_arithmetic(taus, weights)
-            elif rule == "ties":
+            elif rule in ("ties", "consensus_ties"):
                 values = merge_utils.ties(taus, weights, density, options["majority_sign_method"])
             elif rule == "dare_ties":
                 values = merge_utils.dare_ties(taus, weights, density, options["majority_sign_method"])
@@ -348,6 +359,28 @@ def _merged_entries(tuner: GraftModel, names: dict[str, str], rule: str, options
     if not out:
         raise ValueError(f"rule {rule!r} with {options} changes no entry: raise density or the weights.")
     return out
+
+
+def _consensus_options(rule: str, count: int, consensus_k: object, tall_lambda: object) -> dict:
+    if rule not in CONSENSUS_RULES:
+        if (consensus_k, tall_lambda) != (2, 1.0):
+            raise ValueError(f"rule {rule!r} takes no consensus_k/tall_lambda (only {CONSENSUS_RULES} do).")
+        return {}
+    if isinstance(consensus_k, bool) or not isinstance(consensus_k, int) or not 1 <= consensus_k <= count:
+        raise ValueError(f"consensus_k must be an int in [1, {count}] (the number of grafts), got {consensus_k!r}.")
+    if isinstance(tall_lambda, bool) or not isinstance(tall_lambda, (int, float)) or not 0 <= tall_lambda < torch.inf:
+        raise ValueError(f"tall_lambda must be a finite number >= 0, got {tall_lambda!r}.")
+    return {"consensus_k": consensus_k, "tall_lambda": float(tall_lambda)}
+
+
+def _consensus(taus: list[torch.Tensor], k: int, tall_lambda: float) -> list[torch.Tensor]:
+    """Consensus merging's masking (Wang et al., ICML 2024): task t's TALL mask holds the entries where
+    ``|tau_t| > tall_lambda * |tau_MTL - tau_t|`` (``tau_MTL = sum_t tau_t``); the entries held by fewer than ``k``
+    masks (used by one task only, or by none) are dropped from every task vector."""
+    total = torch.stack(taus).sum(0)
+    votes = sum((tau.abs() > tall_lambda * (total - tau).abs()).to(torch.int64) for tau in taus)
+    keep = votes >= k
+    return [torch.where(keep, tau, 0.0) for tau in taus]
 
 
 def _top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:
