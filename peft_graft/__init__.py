@@ -23,6 +23,7 @@ from .regions import (
 )
 from .training import (
     ContinualGrafter,
+    LocalizeStitch,
     LossTerm,
     LossTermsTrainer,
     MaskTrainer,
@@ -56,6 +57,7 @@ __all__ = [
     "GraftLayer",
     "GraftModel",
     "GraftStats",
+    "LocalizeStitch",
     "LossTerm",
     "LossTermsTrainer",
     "MaskTrainer",
