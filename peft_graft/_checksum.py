@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 CONFIG_NAME = "adapter_config.json"
@@ -15,6 +16,8 @@ FORMAT_VERSION = 1
 """Saves of format 1 record ``weights_checksum``, and ``base_checksum`` and ``base_fingerprint`` for every module in
 ``grafted_modules``. 0 (set by hand) marks a save of an older peft_graft that lacks some of them, loaded knowingly."""
 LEGACY_FORMAT = 0
+
+logger = logging.getLogger(__name__)
 
 
 def file_checksum(path: str | os.PathLike) -> str:
@@ -76,6 +79,19 @@ def missing_integrity_fields(config: dict) -> list[str]:
     return missing
 
 
+def check_format_version(path: str | os.PathLike, version: object) -> None:
+    """Refuse a graft config's ``format_version`` outside the formats this version reads (``ValueError`` naming the
+    file); absent (``None``) is read as the current format."""
+    if version is None or (type(version) is int and LEGACY_FORMAT <= version <= FORMAT_VERSION):
+        return
+    raise ValueError(
+        f"{os.fspath(path)!r} has format_version={version!r}, but this peft_graft reads formats {LEGACY_FORMAT} and "
+        f"{FORMAT_VERSION} only ({FORMAT_VERSION}: saved by peft_graft; {LEGACY_FORMAT}: an older save without some "
+        "integrity fields, loaded knowingly). A save of a newer peft_graft needs that version; otherwise the file was "
+        "altered: save or download the adapter again."
+    )
+
+
 def check_integrity_fields(folder: str | os.PathLike, config: object | None = None) -> None:
     """Refuse a saved graft whose config lacks an integrity field (:func:`missing_integrity_fields`) with a
     ``ValueError`` naming the file: deleting one would switch its check off. A graft saved by an older peft_graft
@@ -92,10 +108,16 @@ def check_integrity_fields(folder: str | os.PathLike, config: object | None = No
         return
     if config is not None:
         saved = {**saved, VERSION_FIELD: config.format_version, "verify_base": config.verify_base}
-    if saved.get(VERSION_FIELD) == LEGACY_FORMAT:
-        return
+    check_format_version(path, saved.get(VERSION_FIELD))
     missing = missing_integrity_fields(saved)
-    if missing:
+    if missing and saved.get(VERSION_FIELD) == LEGACY_FORMAT:
+        logger.warning(
+            "%r has format_version 0 (a save of an older peft_graft) and lacks %s: its integrity could not be checked "
+            "(a corrupt or altered file, or another base model, may go unnoticed).",
+            path,
+            ", ".join(missing),
+        )
+    elif missing:
         raise ValueError(
             f"{path!r} lacks {', '.join(missing)}: a graft saved by peft_graft records them, so the file was altered "
             "and its checks would be skipped. Save or download the adapter again. A graft saved by an older "

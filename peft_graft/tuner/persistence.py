@@ -39,15 +39,18 @@ from contextlib import contextmanager, nullcontext
 
 import safetensors
 import safetensors.torch
+import torch
 from filelock import FileLock
 from huggingface_hub import HfApi
-from peft import PeftModel
+from peft import PeftConfig, PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
 
 from .._checksum import (
     CONFIG_NAME,
+    VERSION_FIELD,
     WEIGHTS_NAME,
+    check_format_version,
     check_integrity_fields,
     record_weights_checksum,
     verify_weights_checksum,
@@ -93,11 +96,45 @@ def wrap_save(original):
                         record_weights_checksum(root)
                 selected = kwargs.get("selected_adapters", args[1] if len(args) > 1 else None)
                 write_graft_card(self, staging, given_directory, selected)
+                _check_before_replacing(self, staging, given_directory)
                 _move_into_place(staging, save_directory)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 
     return save_pretrained
+
+
+def _check_before_replacing(model: PeftModel, staging: str, destination: str) -> None:
+    """Run the loader's checks on each graft adapter staged for a save, so that a save never replaces a folder with a
+    graft its own loader refuses (e.g. values a cast to bf16 changed): a ``ValueError`` naming the tensor, and the
+    destination is left as it was."""
+    for root, _, names in os.walk(staging):
+        weights = os.path.join(root, WEIGHTS_NAME)
+        if CONFIG_NAME not in names or not os.path.isfile(weights):
+            continue
+        config = PeftConfig.from_pretrained(root)
+        if not is_graft_config(config):
+            continue
+        rel = os.path.relpath(root, staging)
+        adapter_name = "default" if rel == os.curdir else rel  # peft saves other adapters in a sub-folder
+        state_dict = safetensors.torch.load_file(weights)
+        try:
+            check_integrity_fields(root)
+            verify_weights_checksum(root)
+            check_graft_state_dict(model, config, state_dict, adapter_name)
+        except ValueError as error:
+            wrong = sorted({str(t.dtype) for k, t in state_dict.items() if f".{GRAFT_PREFIX}" in k and "values" in k}
+                           - {str(torch.float32)})  # fmt: skip
+            fix = (
+                f"graft values are float32, these are {', '.join(wrong)} (a cast such as model.to(torch.bfloat16) "
+                "changed them): cast them back with model.float() before saving"
+                if wrong
+                else "the graft in memory is corrupt: rebuild or reload it before saving"
+            )
+            raise ValueError(
+                f"save_pretrained({destination!r}) refused: adapter {adapter_name!r} would be saved as a graft its own "
+                f"loader refuses ({error}). Nothing was written; the folder holds what it held before. Fix: {fix}."
+            ) from error
 
 
 def folder_lock(destination: str) -> FileLock:
@@ -112,6 +149,7 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
     """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, graft tensors
     under another method's ``peft_type`` and missing integrity fields, verify the weights checksum. ``config``: the
     graft config the loader was given, if any."""
+    refuse_unresolvable_links(model_id, subfolder)
     if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
         recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
         folder = os.path.join(os.fspath(model_id), subfolder or "")
@@ -119,6 +157,21 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
         _refuse_graft_tensors_of_another_method(folder)
         check_integrity_fields(folder, config if is_graft_config(config) else None)
         verify_weights_checksum(folder)
+
+
+def refuse_unresolvable_links(model_id, subfolder: str | None = None) -> None:
+    """A local adapter path (the folder, its config or weights) that exists as a symbolic link but cannot be resolved
+    (a loop, a missing target) is a ``ValueError`` naming it: the loaders would take the folder for a Hub id."""
+    if not isinstance(model_id, (str, os.PathLike)):
+        return
+    folder = os.path.join(os.fspath(model_id), subfolder or "")
+    for path in (os.fspath(model_id), folder, os.path.join(folder, CONFIG_NAME), os.path.join(folder, WEIGHTS_NAME)):
+        if os.path.islink(path) and not os.path.exists(path):
+            raise ValueError(
+                f"{path!r} is a symbolic link that cannot be resolved (a loop, or its target is missing), so the "
+                "adapter cannot be read from there (nor is it a Hub id): fix or replace the link, or give the folder "
+                "that holds the adapter."
+            )
 
 
 def is_graft_config(config) -> bool:
@@ -387,6 +440,8 @@ def wrap_config_reader(original):
                 "A graft needs `import peft_graft` before loading; another method needs the peft version or package "
                 "that defines it."
             )
+        if isinstance(peft_type, str) and peft_type.lower() == GRAFT_NAME:
+            check_format_version(path_json_file, loaded.get(VERSION_FIELD))
         graft_fields = [name for name in GRAFT_ONLY_FIELDS if loaded.get(name)]
         if peft_type is not None and graft_fields and peft_type.lower() != GRAFT_NAME:
             raise ValueError(
@@ -404,6 +459,7 @@ def wrap_peft_type_reader(original):
 
     @functools.wraps(original)
     def _get_peft_type(cls, model_id, **hf_hub_download_kwargs):
+        refuse_unresolvable_links(model_id, hf_hub_download_kwargs.get("subfolder"))
         try:
             return original(cls, model_id, **hf_hub_download_kwargs)
         except KeyError as error:

@@ -1,0 +1,154 @@
+"""Issue 35, saving and loading: a save never writes a graft its own loader refuses (the folder it would replace is
+left byte for byte), ``format_version`` outside the known range is refused, an older save without integrity fields
+loads with a warning, and a weights path that is a link which cannot be resolved is not taken for a Hub id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from testing_utils import clone_model, input_ids, make_pair
+
+from peft_graft import GraftConfig, GraftLayer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair("gpt2")
+
+
+@pytest.fixture
+def saved(pair, tmp_path):
+    pre, finetuned, task_type = pair
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type))
+    model.save_pretrained(tmp_path / "graft")
+    return tmp_path / "graft"
+
+
+def folder_bytes(folder) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+        for root, _, names in os.walk(folder)
+        for name in names
+    }
+
+
+def first_layer(model) -> tuple[str, GraftLayer]:
+    return next((n, m) for n, m in model.named_modules() if isinstance(m, GraftLayer) and m.has_region("default"))
+
+
+def spoil_values(model, change) -> str:
+    """Change the stored graft values of the first grafted layer in place (as a cast would); returns its name."""
+    name, layer = first_layer(model)
+    layer.unpack("default")  # loaded for inference: the values are views of a packed store
+    layer.graft_values["default"].data = change(layer.graft_values["default"].data)
+    return name.removeprefix("base_model.model.")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda t: t.to(torch.bfloat16), r"value dtype torch.bfloat16.*torch.bfloat16 \(a cast.*model.float\(\)"),
+        (lambda t: t.to(torch.float16), r"value dtype torch.float16.*model.float\(\)"),
+        (lambda t: t.to(torch.float64), r"value dtype torch.float64.*model.float\(\)"),
+        (lambda t: torch.full_like(t, torch.nan), r"NaN or inf.*the graft in memory is corrupt"),
+    ],
+)
+def test_a_save_the_loader_would_refuse_is_refused_and_the_folder_kept(pair, saved, change, match):
+    """Saved back into the folder it was loaded from: refused, the folder byte for byte as it was, still loadable."""
+    pre = pair[0]
+    before = folder_bytes(saved)
+    model = PeftModel.from_pretrained(clone_model(pre), saved)
+    expected = model(input_ids()).logits
+    module = spoil_values(model, change)
+    with pytest.raises(ValueError, match=rf"save_pretrained\('{saved}'\) refused: adapter 'default'.*{module}") as info:
+        model.save_pretrained(saved)
+    assert "Nothing was written" in str(info.value)
+    assert folder_bytes(saved) == before
+    assert not [n for n in os.listdir(saved.parent) if n.startswith(".graft.") and "lock" not in n]
+    assert torch.equal(PeftModel.from_pretrained(clone_model(pre), saved)(input_ids()).logits, expected)
+
+
+def test_a_sub_folder_adapter_is_checked_too(pair, tmp_path):
+    pre, finetuned, task_type = pair
+    config = GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type)
+    model = get_peft_model(clone_model(pre), config, adapter_name="task")
+    layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.has_region("task"))
+    layer.graft_values["task"].data = layer.graft_values["task"].data.half()
+    with pytest.raises(ValueError, match=r"adapter 'task' would be saved.*float16"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out" / "task").exists()
+
+
+def edit_config(folder, **fields) -> None:
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("version", [99, 2, -1, "x", 1.0, True])
+@pytest.mark.parametrize("loader", ["peft", "transformers"])
+def test_a_format_version_outside_the_known_range_is_refused(pair, saved, version, loader):
+    edit_config(saved, format_version=version)
+    load = {"peft": lambda: PeftModel.from_pretrained(clone_model(pair[0]), saved),
+            "transformers": lambda: clone_model(pair[0]).load_adapter(str(saved))}[loader]  # fmt: skip
+    path = str(saved / "adapter_config.json")
+    with pytest.raises(ValueError, match=rf"'{path}' has format_version={version!r}.*reads formats 0 and 1"):
+        load()
+
+
+def test_format_version_0_without_integrity_fields_loads_with_a_warning(pair, saved, caplog):
+    """With every integrity field present the checks run and nothing is logged; without them it loads, logged."""
+    pre = pair[0]
+    expected = PeftModel.from_pretrained(clone_model(pre), saved)(input_ids()).logits
+    config = json.loads((saved / "adapter_config.json").read_text())
+    config["format_version"] = 0
+    (saved / "adapter_config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="peft_graft"):
+        PeftModel.from_pretrained(clone_model(pre), saved)
+    assert not [r for r in caplog.records if "integrity could not be checked" in r.getMessage()]
+    for field in ("weights_checksum", "base_fingerprint"):
+        del config[field]
+    (saved / "adapter_config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="peft_graft"):
+        loaded = PeftModel.from_pretrained(clone_model(pre), saved)
+    assert torch.equal(loaded(input_ids()).logits, expected)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "format_version" in r.msg]
+    assert warnings, caplog.text
+    assert str(saved / "adapter_config.json") in warnings[0]
+    assert "integrity could not be checked" in warnings[0] and "weights_checksum" in warnings[0]
+
+
+def _weights_loop(folder):
+    weights = folder / "adapter_model.safetensors"
+    weights.unlink()
+    os.symlink(weights, weights)
+    return weights
+
+
+def _folder_loop(folder):
+    link = folder.parent / "loop"
+    os.symlink(link, link)
+    return link
+
+
+def _dangling_folder(folder):
+    link = folder.parent / "moved"
+    os.symlink(folder.parent / "gone", link)
+    return link
+
+
+@pytest.mark.parametrize("make", [_weights_loop, _folder_loop, _dangling_folder])
+@pytest.mark.parametrize("loader", ["peft", "transformers"])
+def test_a_link_that_cannot_be_resolved_is_not_taken_for_a_hub_id(pair, saved, make, loader):
+    link = make(saved)
+    folder = saved if link.name == "adapter_model.safetensors" else link
+    load = {"peft": lambda: PeftModel.from_pretrained(clone_model(pair[0]), str(folder)),
+            "transformers": lambda: clone_model(pair[0]).load_adapter(str(folder))}[loader]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"'{link}' is a symbolic link that cannot be resolved"):
+        load()
