@@ -219,6 +219,10 @@ def plot_sweep(sweep: dict[str, dict[int, float]], references: dict[str, float],
         ax.plot(sizes, [100 * points[s] for s in sizes], marker=marker, color=color, label=name)
     for (name, value), style in zip(references.items(), ("--", ":"), strict=False):
         ax.axhline(100 * value, linestyle=style, color="black", linewidth=1, label=name)
+    drawn = [100 * v for points in sweep.values() for v in points.values()] + [100 * v for v in references.values()]
+    if drawn:  # every point and every reference line inside the axes (a line above the points was cut off)
+        pad = max(1.0, 0.05 * (max(drawn) - min(drawn)))
+        ax.set_ylim(min(drawn) - pad, max(drawn) + pad)
     ax.set(xscale="log", xlabel="grafted entries (region size)", ylabel="accuracy (%)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -258,24 +262,36 @@ def _row(label: str, entries: str, report: dict[str, float], f1: bool) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+SELECTION_KEYS = ("selected_step", "selection_p_value", "evaluated_masks", "best_learned_step", "best_learned_p_value",
+                  "entries_changed_from_start", "iou_with_start")  # fmt: skip
+"""What ``graft_results.json`` says of the mask run_graft.py kept, copied into the report's ``grafts``."""
+
+
 def _selection_of(graft_dir: str) -> dict:
-    """Which evaluated mask run_graft.py kept (``graft_results.json``): step, and the sign test's p-value and number of
-    masks with ``--selection_alpha``."""
+    """Which evaluated mask run_graft.py kept (``graft_results.json``): step, the sign test's p-value and number of
+    masks, the best learned mask's step and p-value (kept or not), and how far the kept region moved from gamma_base."""
     path = Path(graft_dir, "graft_results.json")
     if not path.is_file():
         return {}
     saved = json.loads(path.read_text())
-    return {key: saved[key] for key in ("selected_step", "selection_p_value", "evaluated_masks") if key in saved}
+    return {key: saved[key] for key in SELECTION_KEYS if key in saved}
 
 
 def _selection_note(graft: dict) -> str:
-    if "selected_step" not in graft:
-        return ""
-    step = graft["selected_step"]
-    note = ", the starting mask gamma_base kept" if step == 0 else f", the mask of step {step}"
-    if "selection_p_value" in graft and step:
-        note += f" (sign test p = {graft['selection_p_value']:.2g} over {graft['evaluated_masks']} masks)"
-    return note
+    notes = []
+    step = graft.get("selected_step")
+    if step is not None:
+        note = "the starting mask gamma_base kept" if step == 0 else f"the mask of step {step}"
+        if "selection_p_value" in graft and step:
+            note += f" (sign test p = {graft['selection_p_value']:.2g} over {graft['evaluated_masks']} masks)"
+        elif step == 0 and "best_learned_p_value" in graft:
+            note += (f" (the best learned mask, of step {graft['best_learned_step']}, not significant: sign test p = "
+                     f"{graft['best_learned_p_value']:.2g} over {graft['evaluated_masks']} masks)")  # fmt: skip
+        notes.append(note)
+    if "entries_changed_from_start" in graft:
+        notes.append(f"{graft['entries_changed_from_start']:,} entries changed from gamma_base, IoU "
+                     f"{graft['iou_with_start']:.2f}")  # fmt: skip
+    return "".join(f", {note}" for note in notes)
 
 
 def summary_markdown(results: dict) -> str:

@@ -20,6 +20,14 @@ Presets (``--preset``) only choose the training set here, the mask training's de
 (the default with ``--dataset_name_or_path``) samples ``--k_shot 16`` examples per class, ``none`` (the default with
 ``--train_file``) uses the file whole. Learn the mask on the examples the model was fine-tuned on.
 
+With a validation set the mask is selected among those evaluated (``--select_every``, gamma_base included) with a sign
+test by default: a learned mask replaces gamma_base only if it is more accurate on the selection examples at level
+``--selection_alpha`` (default 0.05, Bonferroni over the evaluated masks); ``--selection_alpha none`` turns the test
+off (the best selection metric wins, the paper's selection). ``graft_results.json`` records how far the kept region
+moved from gamma_base (``entries_changed_from_start``, ``iou_with_start``), the step kept (``selected_step``) and, with
+the sign test, the best learned mask's p-value and step, kept or not (``best_learned_p_value``,
+``best_learned_step``).
+
 Example::
 
     python examples/run_graft.py --model_name_or_path <pre> --finetuned_model_name_or_path outputs/ft \
@@ -31,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +54,8 @@ from peft_graft.parameter_layout import num_base_parameters
 logger = logging.getLogger(__name__)
 # --preset: 'paper' and 'none' differ in the training set only (DataArguments.k_shot); both keep one checkpoint.
 PRESETS = {"paper": {"save_total_limit": 1}, "none": {"save_total_limit": 1}}
+# The sign test's level when the mask is selected on a validation set by accuracy and --selection_alpha is not given.
+SELECTION_ALPHA = 0.05
 
 
 @dataclass
@@ -128,6 +139,7 @@ class GraftArguments:
 
 def main(args: list[str] | None = None) -> dict[str, float]:
     """Parse ``args`` (default: ``sys.argv``), learn the region, save the graft, and return the metrics."""
+    args, alpha_given = selection_alpha_flag(args)
     parser = HfArgumentParser(
         (U.GraftModelArguments, U.TaskArguments, U.DataArguments, GraftArguments, MaskTrainingArguments)
     )
@@ -185,6 +197,11 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         training_args.select_on_train = on_train
         training_args.metric_for_best_model = f"{'train_plus_eval_' if on_train else ''}{graft_args.select_metric}"
         training_args.greater_is_better = graft_args.select_metric not in ("loss", "nll", "ece", "brier")
+        if not alpha_given and graft_args.select_metric == "accuracy":
+            training_args.selection_alpha = SELECTION_ALPHA
+        logger.info("Mask selection on %s every %d steps: %s", graft_args.select_on, graft_args.select_every,
+                    "best accuracy, no sign test" if training_args.selection_alpha is None else
+                    f"sign test at level {training_args.selection_alpha} (--selection_alpha none: off)")  # fmt: skip
     labelled_sets = eval_dataset is not None or (test_frame is not None and "label" in test_frame)
     trainer = MaskTrainer(
         model=model,
@@ -223,6 +240,20 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     if not graft_args.keep_checkpoints:
         U.remove_checkpoints(training_args.output_dir, logger)
     return metrics
+
+
+def selection_alpha_flag(args: list[str] | None) -> tuple[list[str], bool]:
+    """``args`` (default ``sys.argv[1:]``) without a ``--selection_alpha none`` (the sign test off), and whether
+    ``--selection_alpha`` was given."""
+    argv = list(sys.argv[1:] if args is None else args)
+    for i, token in enumerate(argv):
+        name, equals, value = token.partition("=")
+        if name == "--selection_alpha":
+            value = value if equals else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value.lower() == "none":
+                del argv[i : i + (1 if equals else 2)]
+            return argv, True
+    return argv, False
 
 
 if __name__ == "__main__":

@@ -320,8 +320,31 @@ def test_graft_selection_alpha_reports_the_sign_test(assets, finetuned, tmp_path
             "0.05",
         )
     )  # fmt: skip
-    assert results["evaluated_masks"] >= 1 and 0 < results["selection_p_value"] <= 1
-    assert results["selection_p_value"] * results["evaluated_masks"] <= 0.05 or results["selected_step"] == 0
+    assert results["evaluated_masks"] >= 1 and 0 < results["best_learned_p_value"] <= 1
+    if results["selected_step"]:
+        assert results["selection_p_value"] * results["evaluated_masks"] <= 0.05
+    else:  # gamma_base kept: the reference has no p-value; the best learned mask's is recorded, kept or not
+        assert "selection_p_value" not in results and results["best_learned_p_value"] * results["evaluated_masks"] > 0.05
+
+
+def test_graft_selects_on_a_validation_set_with_the_sign_test_by_default(assets, finetuned, tmp_path):
+    """Issue 37: with a validation set the sign test is on unless --selection_alpha none; graft_results.json says how
+    far the kept region moved from gamma_base and which learned mask was best, with its p-value."""
+    extra = ["--validation_dataset", assets["test"], "--validation_split", "train", "--select_every", "1",
+             "--select_on", "validation"]  # fmt: skip
+    default = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path / "default", *extra))
+    saved = json.loads((tmp_path / "default" / "graft_results.json").read_text())
+    assert saved["evaluated_masks"] == 2 and 0 < saved["best_learned_p_value"] <= 1  # 2 mask steps, each evaluated
+    assert saved["best_learned_step"] in (1, 2) and saved["selected_step"] in (0, saved["best_learned_step"])
+    assert 0 <= saved["entries_changed_from_start"] <= 2 * saved["grafted_entries"]
+    assert (saved["entries_changed_from_start"] == 0) == (saved["iou_with_start"] == 1.0)
+    assert saved == {key: default[key] for key in saved}
+    off = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path / "off", *extra, "--selection_alpha",
+                                    "none"))  # fmt: skip
+    assert "evaluated_masks" not in off and "best_learned_p_value" not in off and "iou_with_start" in off
+    again = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path / "eq", *extra,
+                                      "--selection_alpha=NONE"))  # fmt: skip
+    assert "evaluated_masks" not in again
 
 
 def test_graft_fraction_of_parameters_counts_all_parameters(assets, finetuned, tmp_path):
