@@ -7,6 +7,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
+
+import torch
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -27,6 +30,25 @@ def file_checksum(path: str | os.PathLike) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return f"sha256:{digest.hexdigest()}"
+
+
+def state_checksum(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
+    """``"sha256:<hex>"`` of a state saved as one safetensors file: every tensor (name, dtype, shape, bytes) and the
+    metadata but the checksum itself (its key ``"checksum"``)."""
+    digest = hashlib.sha256()
+    for key in sorted(metadata):
+        if key != "checksum":
+            digest.update(json.dumps([key, metadata[key]]).encode())
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor_bytes(tensor).tobytes())
+    return f"sha256:{digest.hexdigest()}"
+
+
+def tensor_bytes(tensor: torch.Tensor):
+    """The raw bytes of ``tensor`` (any dtype), for hashing without a copy."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def record_weights_checksum(folder: str | os.PathLike) -> None:

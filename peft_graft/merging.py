@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,14 +37,16 @@ import torch
 from peft import PeftModel
 from peft.utils import merge_utils
 from peft.utils.other import ModulesToSaveWrapper
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ._checksum import state_checksum
 from .parameter_layout import build_layout
 from .regions import Region
 from .tuner.layer import GraftLayer
 from .tuner.model import GraftModel, _combine, _exact_after_combining, _record_layout, check_adapter_name
+from .tuner.persistence import saved_beside
 
 MERGE_RULES = ("stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta",
                "consensus_ties")  # fmt: skip
@@ -96,21 +97,19 @@ class MergedGraft:
         self.model.set_adapter(self.adapter_name)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Save the merged adapter (peft's ``save_pretrained``) and the task heads beside it; returns its folder."""
-        self.model.save_pretrained(str(save_directory), selected_adapters=[self.adapter_name])
-        folder = Path(save_directory) if self.adapter_name == "default" else Path(save_directory) / self.adapter_name
+        """Save the merged adapter (peft's ``save_pretrained``) and the task heads beside it, with their checksum, in
+        one atomic save (:func:`~peft_graft.tuner.persistence.saved_beside`); returns its folder."""
+        rel = HEADS_FILE if self.adapter_name == "default" else os.path.join(self.adapter_name, HEADS_FILE)
+        with saved_beside({rel: self._save_heads}):
+            self.model.save_pretrained(str(save_directory), selected_adapters=[self.adapter_name])
+        return Path(save_directory) if self.adapter_name == "default" else Path(save_directory) / self.adapter_name
+
+    def _save_heads(self, path: str) -> None:
         tensors = {f"{task}/{name}": t.detach().cpu().contiguous() for task, head in self.heads.items()
                    for name, t in head.items()}  # fmt: skip
         metadata = {"rule": self.rule, "tasks": json.dumps(self.tasks), "options": json.dumps(self.options)}
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
-            temporary = handle.name
-        try:
-            save_file(tensors, temporary, metadata=metadata)
-            os.replace(temporary, folder / HEADS_FILE)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-        return folder
+        metadata["checksum"] = state_checksum(tensors, metadata)
+        save_file(tensors, path, metadata=metadata)
 
     @classmethod
     def from_pretrained(
@@ -120,20 +119,12 @@ class MergedGraft:
         heads_path = Path(path) / HEADS_FILE
         if not heads_path.is_file():
             raise ValueError(f"{str(path)!r} holds no {HEADS_FILE}: it is not a merged graft saved by MergedGraft.")
-        with safe_open(str(heads_path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tasks = json.loads(metadata.get("tasks", "[]"))
-            heads: dict[str, dict[str, torch.Tensor]] = {task: {} for task in tasks}
-            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                task, _, name = key.partition("/")
-                if task not in heads:
-                    raise ValueError(f"{heads_path}: tensor {key!r} names no task of {tasks}: the file is corrupt.")
-                heads[task][name] = handle.get_tensor(key)
+        rule, heads, options = _read_heads(str(heads_path))
         if isinstance(model, PeftModel):
             model.load_adapter(str(path), adapter_name, **kwargs)
         else:
             model = PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, **kwargs)
-        merged = cls(model, adapter_name, metadata.get("rule", ""), heads, json.loads(metadata.get("options", "{}")))
+        merged = cls(model, adapter_name, rule, heads, options)
         copies = _head_copies(model, adapter_name)
         for task, head in heads.items():
             if set(head) != set(copies) or any(head[n].shape != copies[n].shape for n in head):
@@ -141,6 +132,34 @@ class MergedGraft:
                 raise ValueError(f"{heads_path}: the head of task {task!r} does not match the adapter's heads "
                                  f"{sorted(copies)}: the file is corrupt or from another model.")  # fmt: skip
         return merged
+
+
+def _read_heads(path: str) -> tuple[str, dict[str, dict[str, torch.Tensor]], dict]:
+    """``(rule, heads, options)`` of a task heads file, checked: readable, its checksum, floating point and finite
+    tensors, each of a task it lists. Every problem is a ``ValueError`` naming the file."""
+    fix = "Save the merged graft again (MergedGraft.save_pretrained)."
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (no __iter__)
+        tasks, options = json.loads(metadata.get("tasks", "[]")), json.loads(metadata.get("options", "{}"))
+    except (SafetensorError, ValueError) as error:  # json's JSONDecodeError is a ValueError
+        raise ValueError(f"{path!r} is truncated or corrupt, or its metadata is not JSON ({error}). {fix}") from error
+    if metadata.get("checksum") != state_checksum(tensors, metadata):
+        state = "records no checksum" if "checksum" not in metadata else "does not match the checksum it records"
+        raise ValueError(f"{path!r} {state}: the file is corrupt or was altered after saving. {fix}")
+    if not (isinstance(tasks, list) and all(isinstance(t, str) for t in tasks) and isinstance(options, dict)):
+        raise ValueError(f"{path!r}: its metadata 'tasks' must be a list of names and 'options' an object. {fix}")
+    heads: dict[str, dict[str, torch.Tensor]] = {task: {} for task in tasks}
+    for key, tensor in tensors.items():
+        task, _, name = key.partition("/")
+        if task not in heads:
+            raise ValueError(f"{path!r}: tensor {key!r} names no task of {tasks}: the file is corrupt. {fix}")
+        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+            problem = "holds NaN or inf" if tensor.is_floating_point() else f"is {tensor.dtype}, not floating point"
+            raise ValueError(f"{path!r}: head tensor {key!r} {problem}: the file is corrupt. {fix}")
+        heads[task][name] = tensor
+    return metadata.get("rule", ""), heads, options
 
 
 def merge_grafts(
@@ -208,6 +227,7 @@ def merge_grafts(
             names[task] = task
         _check_grafts(tuner, names)
         merged = _merged_entries(tuner, names, rule, options, exclude)
+        _check_finite(tuner, merged, rule, options)
         heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
                  for task, name in names.items()}  # fmt: skip
         _add_merged_adapter(tuner, list(names.values()), adapter_name, merged, rule)
@@ -381,6 +401,23 @@ def _consensus(taus: list[torch.Tensor], k: int, tall_lambda: float) -> list[tor
     votes = sum((tau.abs() > tall_lambda * (total - tau).abs()).to(torch.int64) for tau in taus)
     keep = votes >= k
     return [torch.where(keep, tau, 0.0) for tau in taus]
+
+
+def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> None:
+    """Refuse a merge whose merged parameters are not finite, or so large that the sum of their squares overflows
+    float32 (a norm or dot product of them would: the merged model's outputs would be inf or NaN)."""
+    limit = torch.finfo(torch.float32).max
+    for module, (indices, values, _) in merged.items():
+        layer = tuner.model.get_submodule(module)
+        theta = layer.base_values(indices).double() + values.double()
+        for attr, _, position in layer.space.split(indices):
+            part = theta[position]
+            if not torch.isfinite(part.float()).all() or part.square().sum() > limit:
+                fix = "use smaller weights (peft's default is 1.0)" if options["weights"] else "a graft is corrupt"
+                raise ValueError(
+                    f"rule {rule!r} with weights {options['weights']} gives merged values of {module}.{attr} up to "
+                    f"{part.abs().max().item():.3g}: the merged model's outputs would be inf or NaN; {fix}."
+                )
 
 
 def _top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:

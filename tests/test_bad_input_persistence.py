@@ -1,6 +1,8 @@
 """Issue 35, saving and loading: a save never writes a graft its own loader refuses (the folder it would replace is
 left byte for byte), ``format_version`` outside the known range is refused, an older save without integrity fields
-loads with a warning, and a weights path that is a link which cannot be resolved is not taken for a Hub id."""
+loads with a warning, a weights path that is a link which cannot be resolved is not taken for a Hub id; a merged
+graft's task heads are checked at load (checksum, dtype, finiteness, readable metadata) and saved with the adapter in
+one atomic save; a merge whose values would overflow is refused."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ import os
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
-from testing_utils import clone_model, input_ids, make_pair
+from safetensors import safe_open
+from safetensors.torch import save_file
+from testing_utils import clone_model, finetune_like, input_ids, make_bert_cls, make_pair
 
 from peft_graft import GraftConfig, GraftLayer
+from peft_graft._checksum import state_checksum
+from peft_graft.merging import HEADS_FILE, MergedGraft, merge_grafts
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +158,109 @@ def test_a_link_that_cannot_be_resolved_is_not_taken_for_a_hub_id(pair, saved, m
             "transformers": lambda: clone_model(pair[0]).load_adapter(str(folder))}[loader]  # fmt: skip
     with pytest.raises(ValueError, match=rf"'{link}' is a symbolic link that cannot be resolved"):
         load()
+
+
+# ------------------------------------------------------------------------------------------------- merged grafts
+@pytest.fixture(scope="module")
+def merge_base():
+    torch.manual_seed(0)
+    return make_bert_cls().eval()
+
+
+def two_tasks(pre) -> PeftModel:
+    model = None
+    for seed, task in enumerate(("x", "y"), 1):
+        config = GraftConfig(finetuned=finetune_like(pre, scale=0.01 * seed, seed=seed), sparsity=0.3, region="random",
+                             seed=seed, modules_to_save=["classifier"], task_type="SEQ_CLS")  # fmt: skip
+        if model is None:
+            model = get_peft_model(clone_model(pre), config, adapter_name=task)
+        else:
+            model.add_adapter(task, config)
+    return model
+
+
+@pytest.fixture
+def merged_folder(merge_base, tmp_path):
+    merged = merge_grafts(two_tasks(merge_base), ["x", "y"], "stitch")
+    folder = merged.save_pretrained(tmp_path / "saved")
+    merged.use_task("y")
+    return folder, merged.model(input_ids()).logits
+
+
+def rewrite_heads(folder, change, keep_checksum: bool) -> None:
+    """Rewrite the heads file with ``change(tensors, metadata)`` applied; its checksum kept as it was, or recomputed
+    (as by a tool that writes a consistent file)."""
+    path = str(folder / HEADS_FILE)
+    with safe_open(path, framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    change(tensors, metadata)
+    if not keep_checksum:
+        metadata["checksum"] = state_checksum(tensors, metadata)
+    save_file(tensors, path, metadata=metadata)
+
+
+def _first_head(change):
+    def edit(tensors, metadata):
+        key = sorted(tensors)[0]
+        tensors[key] = change(tensors[key])
+
+    return edit
+
+
+TAMPERED = {
+    "NaN head": (_first_head(lambda t: torch.full_like(t, torch.nan)), False, r"head tensor 'x/.*' holds NaN or inf"),
+    "int64 head": (_first_head(lambda t: t.to(torch.int64)), False, r"head tensor 'x/.*' is torch.int64, not floating"),
+    "+0.5": (_first_head(lambda t: t + 0.5), True, "does not match the checksum it records"),
+    "no checksum": (lambda tensors, metadata: metadata.pop("checksum"), True, "records no checksum"),
+    "non-JSON tasks": (lambda tensors, metadata: metadata.update(tasks="[a, b"), False, "metadata is not JSON"),
+    "non-JSON options": (lambda tensors, metadata: metadata.update(options="{"), False, "metadata is not JSON"),
+    "tasks not a list": (lambda tensors, metadata: metadata.update(tasks='{"a": 1}'), False, "must be a list"),
+}
+
+
+@pytest.mark.parametrize("tampered", list(TAMPERED))
+def test_a_tampered_heads_file_is_refused_naming_it(merge_base, merged_folder, tampered):
+    folder, _ = merged_folder
+    change, keep_checksum, match = TAMPERED[tampered]
+    rewrite_heads(folder, change, keep_checksum)
+    with pytest.raises(ValueError, match=rf"'{folder / HEADS_FILE}'.*{match}"):
+        MergedGraft.from_pretrained(clone_model(merge_base), folder)
+
+
+def test_a_truncated_heads_file_is_refused_naming_it(merge_base, merged_folder):
+    folder, _ = merged_folder
+    path = folder / HEADS_FILE
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"'{path}' is truncated or corrupt"):
+        MergedGraft.from_pretrained(clone_model(merge_base), folder)
+
+
+def test_a_refused_merged_save_leaves_adapter_and_heads_as_they_were(merge_base, merged_folder):
+    """The heads move into place with the adapter's files, in one save: a refused save changes neither."""
+    folder, logits = merged_folder
+    before = folder_bytes(folder.parent)
+    again = MergedGraft.from_pretrained(clone_model(merge_base), folder)
+    again.heads["x"] = {name: tensor + 1.0 for name, tensor in again.heads["x"].items()}
+    layer = next(m for m in again.model.modules() if isinstance(m, GraftLayer) and m.has_region("merged"))
+    layer.unpack("merged")
+    layer.graft_values["merged"].data = layer.graft_values["merged"].data.bfloat16()
+    with pytest.raises(ValueError, match="adapter 'merged' would be saved"):
+        again.save_pretrained(folder.parent)
+    assert folder_bytes(folder.parent) == before
+    reloaded = MergedGraft.from_pretrained(clone_model(merge_base), folder)
+    reloaded.use_task("y")
+    assert torch.equal(reloaded.model(input_ids()).logits, logits)
+
+
+@pytest.mark.parametrize(("rule", "extra"), [("task_arithmetic", {}), ("ties", {"density": 0.5})])
+def test_huge_finite_merge_weights_are_refused(merge_base, rule, extra):
+    model = two_tasks(merge_base)
+    before = sorted(model.state_dict())
+    with pytest.raises(ValueError, match=rf"rule '{rule}' with weights \[1e\+38, 1e\+38\] gives merged values of "
+                                         r"\S+ up to .*inf or NaN; use smaller weights"):  # fmt: skip
+        merge_grafts(model, ["x", "y"], rule, weights=1e38, **extra)
+    assert sorted(model.state_dict()) == before and "merged" not in model.peft_config
+    merged = merge_grafts(model, ["x", "y"], rule, weights=1.0, **extra)  # the ordinary size merges
+    merged.use_task("x")
+    assert torch.isfinite(model(input_ids()).logits).all()

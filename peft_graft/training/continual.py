@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .._checksum import CONFIG_NAME
+from .._checksum import CONFIG_NAME, state_checksum, tensor_bytes
 from ..parameter_layout import FlatIndexSpace, build_layout
 from ..regions import Region
 from ..regions.region import saved_region
@@ -202,7 +202,7 @@ class ContinualGrafter:
             flat = torch.cat([space.start(attr) + local for attr, local in parts.items()]).sort().values
             digest = hashlib.sha256()
             for attr, local, _ in space.split(flat):
-                digest.update(_bytes(self._pretrained_values(layout.by_site[(module, attr)].name, local)))
+                digest.update(tensor_bytes(self._pretrained_values(layout.by_site[(module, attr)].name, local)))
             if digest.hexdigest()[:16] != checksums[module]:
                 raise ValueError(
                     f"Task {name!r}: its graft was made on another pre-trained model (theta_pre differs at its "
@@ -266,7 +266,7 @@ class ContinualGrafter:
                 for task in restore[name]:
                     value[task.trained[name]] = task.pretrained[name]
             digest.update(name.encode())
-            digest.update(_bytes(value))
+            digest.update(tensor_bytes(value))
         return digest.hexdigest()
 
     # ------------------------------------------------------------------------------------------ tasks
@@ -450,7 +450,7 @@ class ContinualGrafter:
             "tasks": json.dumps(self.task_names),
             "base_fingerprint": self.base_fingerprint,
         }
-        metadata["checksum"] = _state_checksum(tensors, metadata)
+        metadata["checksum"] = state_checksum(tensors, metadata)
         os.makedirs(save_directory, exist_ok=True)
         path = os.path.join(save_directory, STATE_NAME)
         partial = f"{path}.partial-{os.getpid()}"
@@ -486,7 +486,7 @@ class ContinualGrafter:
                 f"{path!r} records no checksum: it was altered, or saved by an older peft_graft (load that knowingly "
                 "with ContinualGrafter.from_pretrained(path, model, require_checksum=False))."
             )
-        if recorded is not None and recorded != _state_checksum(tensors, metadata):
+        if recorded is not None and recorded != state_checksum(tensors, metadata):
             raise ValueError(
                 f"{path!r} does not match the checksum it records: the file is corrupt or was altered after saving."
             )
@@ -518,24 +518,5 @@ class ContinualGrafter:
         return learner
 
 
-def _state_checksum(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> str:
-    """``"sha256:<hex>"`` of a saved state: every tensor (name, dtype, shape, bytes) and the metadata but the
-    checksum itself."""
-    digest = hashlib.sha256()
-    for key in sorted(metadata):
-        if key != "checksum":
-            digest.update(json.dumps([key, metadata[key]]).encode())
-    for key in sorted(tensors):
-        tensor = tensors[key]
-        digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape)]).encode())
-        digest.update(_bytes(tensor).tobytes())
-    return f"sha256:{digest.hexdigest()}"
-
-
 def _group(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
-
-
-def _bytes(tensor: torch.Tensor):
-    """The raw bytes of ``tensor`` (any dtype), for hashing without a copy."""
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()

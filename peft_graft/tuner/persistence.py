@@ -35,7 +35,9 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 
 import safetensors
 import safetensors.torch
@@ -91,6 +93,8 @@ def wrap_save(original):
                 if os.path.isfile(existing_card):  # peft updates an existing card rather than replacing it
                     shutil.copy2(existing_card, staging)
                 original(self, staging, *args, **kwargs)
+                for rel, write in (_saved_beside.get() or {}).items():
+                    write(os.path.join(staging, rel))
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
                         record_weights_checksum(root)
@@ -102,6 +106,20 @@ def wrap_save(original):
                 shutil.rmtree(staging, ignore_errors=True)
 
     return save_pretrained
+
+
+_saved_beside: ContextVar[dict[str, Callable[[str], None]] | None] = ContextVar("graft_saved_beside", default=None)
+
+
+@contextmanager
+def saved_beside(writers: dict[str, Callable[[str], None]]):
+    """Within this block, a graft's ``save_pretrained`` also writes each file ``writers[rel](path)`` at ``rel`` in
+    the folder, staged and moved into place with the adapter's own files (e.g. a merged graft's task heads)."""
+    token = _saved_beside.set(writers)
+    try:
+        yield
+    finally:
+        _saved_beside.reset(token)
 
 
 def _check_before_replacing(model: PeftModel, staging: str, destination: str) -> None:
