@@ -380,6 +380,26 @@ def remove_checkpoints(output_dir: str | os.PathLike, script_logger: logging.Log
     return [folder.name for folder in folders]
 
 
+# The result files the Trainer-based scripts write into their --output_dir (run_finetune.py and run_graft.py add their
+# own): removed when a run starts there (clear_results), so that no earlier run's results survive beside a new model.
+RESULT_FILES = (PREDICTIONS_FILE, "predict_results.json", "eval_results.json", "train_results.json", "all_results.json",
+                "trainer_state.json")  # fmt: skip
+
+
+def clear_results(folder: str | os.PathLike, patterns: tuple[str, ...], script_logger: logging.Logger) -> list[str]:
+    """Remove the files of ``folder`` that match ``patterns`` (globs): an earlier run's results, before this run writes
+    its own (transformers' Trainer writes into a non-empty output folder). The saved model is replaced when the run
+    saves, and checkpoints stay (``--resume_from_checkpoint``). Returns the names removed, which are logged."""
+    folder = Path(folder)
+    stale = sorted({path for pattern in patterns for path in folder.glob(pattern) if path.is_file()})
+    for path in stale:
+        path.unlink()
+    if stale:
+        script_logger.info("Removed %d result file(s) of an earlier run in %s: %s", len(stale), folder,
+                           ", ".join(path.name for path in stale))  # fmt: skip
+    return [path.name for path in stale]
+
+
 # ------------------------------------------------------------------------------------------------------- task set-up
 @dataclass
 class TaskSetup:
@@ -448,8 +468,10 @@ def load_splits(
         data_args.text_column,
         data_args.label_column,
     )
+    check_classes(frame, data_args.training_data, data_args.label_column)
     label_names = label_names or label_names_of(frame)
-    train = k_shot(encode_labels(frame, label_names), data_args.k_shot or None, data_args.k_shot_seed)
+    train = encode_labels(frame, label_names, data_args.training_data)
+    train = k_shot(train, data_args.k_shot or None, data_args.k_shot_seed)
     if data_args.k_shot:
         logger.info("Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot,
                     data_args.k_shot_seed)  # fmt: skip
@@ -464,14 +486,25 @@ def load_splits(
             data_args.text_column,
             data_args.label_column,
         )
-        evaluation = encode_labels(evaluation, label_names)
+        evaluation = encode_labels(evaluation, label_names, data_args.validation_data)
         if data_args.max_eval_samples is not None:
             evaluation = evaluation.iloc[: data_args.max_eval_samples]
     return train, evaluation, label_names
 
 
+def check_classes(frame: pd.DataFrame, source: str, label_column: str) -> None:
+    """A classification task needs at least two classes in its training data."""
+    names = label_names_of(frame)
+    if len(names) < 2:
+        raise ValueError(
+            f"Training data {source!r} has {len(names)} class(es) {names} in column {label_column!r}: classification "
+            "needs at least two. Check --label_column and that the file holds examples of every class."
+        )
+
+
 def load_test(data_args: DataArguments, label_names: list[str], do_predict: bool) -> pd.DataFrame | None:
-    """The ``--test_file`` frame (text, and label ids when the file has the label column); None without one.
+    """The ``--test_file`` frame (text, and label ids when the file has the label column: None on a row without a
+    label); None without one. Its index is each row's 0-based data row in the file.
 
     ``--do_predict`` and ``--test_file`` go together, as in run_glue.
     """
@@ -483,29 +516,47 @@ def load_test(data_args: DataArguments, label_names: list[str], do_predict: bool
         raise ValueError(f"--test_file {data_args.test_file!r} is read only to predict: add --do_predict.")
     frame = read_table(data_args.test_file, text_column=data_args.text_column, label_column=data_args.label_column,
                        label_required=False)  # fmt: skip
-    return encode_labels(frame, label_names) if "label" in frame else frame
+    if "label" not in frame:
+        return frame
+    return encode_labels(frame, label_names, data_args.test_file)
 
 
 def predict_and_save(trainer: Trainer, frame: pd.DataFrame, tokenizer, setup: TaskSetup, output_dir: str) -> dict:
-    """Predict ``frame`` (:func:`load_test`) with ``trainer``; write run_glue's ``predict_results.txt`` (index, the
-    predicted class name) and, when the file has labels, the metrics to ``predict_results.json``."""
-    dataset = tokenize(frame, tokenizer, setup)
-    output = trainer.predict(dataset, metric_key_prefix="predict")
+    """Predict every row of ``frame`` (:func:`load_test`) with ``trainer``; write run_glue's ``predict_results.txt``
+    (index: the row's 0-based data row in the file, the predicted class name) and, for the rows with a label, the
+    metrics to ``predict_results.json`` (``predict_scored_examples`` of ``predict_examples``)."""
+    labelled = frame["label"].notna().to_numpy() if "label" in frame else np.zeros(len(frame), dtype=bool)
+    unlabelled_rows = frame if labelled.all() else frame.drop(columns="label", errors="ignore")
+    output = trainer.predict(tokenize(unlabelled_rows, tokenizer, setup), metric_key_prefix="predict")
     predictions = np.asarray(output.predictions).argmax(-1)
-    path = write_predictions(Path(output_dir, PREDICTIONS_FILE), predictions, setup.label_names)
+    path = write_predictions(Path(output_dir, PREDICTIONS_FILE), predictions, setup.label_names, frame.index)
     metrics = {}
-    if "label" in frame:
+    if labelled.any():
+        if not labelled.all():  # score the rows that have a label
+            output = trainer.predict(tokenize(frame[labelled], tokenizer, setup), metric_key_prefix="predict")
         metrics = {k: v for k, v in output.metrics.items() if isinstance(v, (int, float))}
+        metrics.update(predict_examples=len(frame), predict_scored_examples=int(labelled.sum()))
         trainer.save_metrics("predict", metrics)
-    logger.info("Predictions of %d examples written to %s", len(predictions), path)
+    logger.info("Predictions of %d examples written to %s (%d with a label scored)", len(predictions), path,
+                int(labelled.sum()))  # fmt: skip
     return metrics
 
 
-def write_predictions(path: str | os.PathLike, predictions, label_names: list[str]) -> Path:
-    """run_glue's prediction file: a header ``index\tprediction``, then one line per example with its class name."""
+def write_predictions(path: str | os.PathLike, predictions, label_names: list[str], rows=None) -> Path:
+    """run_glue's prediction file: a header ``index\tprediction``, then one line per example: its 0-based data row in
+    the input file (``rows``, default ``0..n-1``) and its predicted class name. Written atomically."""
+    rows = range(len(predictions)) if rows is None else rows
+    lines = ["index\tprediction"] + [f"{r}\t{label_names[int(p)]}" for r, p in zip(rows, predictions, strict=True)]
+    return write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file beside it and ``os.replace``: a reader sees the old file or
+    the new one, never a part."""
     path = Path(path)
-    lines = ["index\tprediction"] + [f"{i}\t{label_names[int(p)]}" for i, p in enumerate(predictions)]
-    path.write_text("\n".join(lines) + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
     return path
 
 
@@ -521,26 +572,19 @@ def read_table(
     label_column: str = "label",
     label_required: bool = True,
 ) -> pd.DataFrame:
-    """A dataset as a DataFrame with columns ``text`` and ``label`` (raw label values, not yet mapped to ids).
+    """A dataset as a DataFrame with columns ``text`` and ``label`` (raw label values, not yet mapped to ids), one row
+    per example of the data in order: the index is the example's 0-based data row (header excluded), which every
+    prediction file writes as its ``index``.
 
-    ``text_column=None`` reads 'text', else 'sentence'. ``label_required=False``: a file without the label column
-    gives a frame with ``text`` alone (a test set to predict).
+    Nothing is dropped. Texts are read as written (``NA``, ``null`` and an empty text are texts); a missing text (a
+    JSON ``null``, a missing parquet value) is a ``ValueError`` naming the rows. A label cell that is empty or one of
+    :data:`MISSING_LABELS` is missing: a ``ValueError`` naming the rows when ``label_required``, else kept as None (a
+    test row to predict; scored only where it has a label). ``text_column=None`` reads 'text', else 'sentence'.
+    ``label_required=False``: a file without the label column gives a frame with ``text`` alone.
     """
     path = Path(name_or_path)
     if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in UNQUOTED_SUFFIXES:
-            frame = read_tab_separated(path)
-        elif suffix in TABLE_SUFFIXES:
-            frame = pd.read_csv(path, sep=TABLE_SUFFIXES[suffix])
-        elif suffix in (".json", ".jsonl"):
-            frame = _read_json(path)
-        elif suffix == ".parquet":
-            frame = pd.read_parquet(path)
-        else:
-            raise ValueError(
-                f"Dataset file {name_or_path!r}: unsupported suffix {suffix!r}; use csv, tsv, json(l), parquet."
-            )
+        frame = read_frame(path)
     elif path.is_dir():
         data = load_from_disk(str(path))
         frame = (data[split] if hasattr(data, "keys") else data).to_pandas()
@@ -554,6 +598,8 @@ def read_table(
                 f"Could not load dataset {name_or_path!r} (config {dataset_config_name!r}, split {split!r}): it is "
                 f"neither a local file or folder nor a reachable Hub dataset ({type(error).__name__}: {error})."
             ) from error
+    if frame.empty:
+        raise ValueError(f"Dataset {name_or_path!r} has no rows: give a file or split with at least one example.")
     if text_column is None:
         text_column = next((c for c in TEXT_COLUMNS if c in frame.columns), TEXT_COLUMNS[0])
     columns = [text_column] + ([label_column] if label_required or label_column in frame.columns else [])
@@ -563,43 +609,186 @@ def read_table(
             f"Dataset {name_or_path!r} has no column(s) {missing}; its columns are {list(frame.columns)}. Set "
             "--text_column and --label_column (defaults: 'text' or 'sentence', and 'label')."
         )
-    frame = frame[columns].rename(columns={text_column: "text", label_column: "label"})
-    return frame.dropna().reset_index(drop=True)
+    frame = frame[columns].rename(columns={text_column: "text", label_column: "label"}).reset_index(drop=True)
+    no_text = frame["text"].isna().to_numpy()
+    if no_text.any():
+        raise ValueError(
+            f"Dataset {name_or_path!r}: {describe_rows(name_or_path, np.flatnonzero(no_text))} have no text (null) in "
+            f'column {text_column!r}: write the text (an empty text is "") or delete those rows.'
+        )
+    frame["text"] = frame["text"].map(str)
+    if "label" in frame:
+        unlabelled = frame["label"].map(is_missing_label).to_numpy(dtype=bool)
+        if label_required and unlabelled.any():
+            raise ValueError(
+                f"Dataset {name_or_path!r}: {describe_rows(name_or_path, np.flatnonzero(unlabelled))} have no label in "
+                f"column {label_column!r} (empty or one of {sorted(MISSING_LABELS - {''})}): every training and "
+                "evaluation example needs one. Fill in those labels or delete the rows (a --test_file may leave "
+                "labels out: its rows are predicted, and scored where they have a label)."
+            )
+        frame["label"] = frame["label"].where(~unlabelled, None)
+    return frame
+
+
+# A label cell read as missing: empty, or one of pandas' usual spellings of a missing value. A text is always a text.
+MISSING_LABELS = frozenset({"", "NA", "N/A", "n/a", "NaN", "nan", "null", "NULL", "None", "<NA>"})
+
+
+def is_missing_label(value) -> bool:
+    """Whether a label cell holds no label: None, NaN or a string of :data:`MISSING_LABELS` (spaces ignored)."""
+    if isinstance(value, str):
+        return value.strip() in MISSING_LABELS
+    return value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA
+
+
+def read_frame(path: str | os.PathLike) -> pd.DataFrame:
+    """Every row of a local data file (csv, tsv/txt, json/jsonl, parquet) in file order, with a ``RangeIndex``.
+
+    Table cells are read as strings, never turned into NaN (``NA``, ``null``, an empty cell stay text); JSON values
+    keep their JSON types (``null`` is None). An empty file, a header without rows and bytes that are not UTF-8 are
+    each a ``ValueError`` naming the file (and the line of the first bad byte).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix in UNQUOTED_SUFFIXES:
+            frame = read_tab_separated(path, dtype=str, keep_default_na=False)
+        elif suffix in TABLE_SUFFIXES:
+            frame = pd.read_csv(path, sep=TABLE_SUFFIXES[suffix], encoding="utf-8", dtype=str, keep_default_na=False)
+        elif suffix in (".json", ".jsonl"):
+            frame = _read_json(path)
+        elif suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        else:
+            raise ValueError(
+                f"Dataset file {str(path)!r}: unsupported suffix {suffix!r}; use csv, tsv, json(l), parquet."
+            )
+    except UnicodeDecodeError as error:
+        raise ValueError(_not_utf8(path)) from error
+    except pd.errors.EmptyDataError as error:
+        raise ValueError(f"{str(path)!r} is empty: a data file needs a header line and one row per example.") from error
+    if frame.empty:
+        raise ValueError(
+            f"{str(path)!r} has no rows (columns: {list(frame.columns)}): add one row per example after the header."
+        )
+    return frame.reset_index(drop=True)
+
+
+def _not_utf8(path: Path) -> str:
+    """Where the first byte that is not UTF-8 sits in ``path``, and the fix."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+        where = ""
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        where = f": byte 0x{data[error.start]:02x} at line {line}, column {column} (byte offset {error.start})"
+    return (
+        f"{str(path)!r} is not UTF-8 text{where}. Re-save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.csv > "
+        "out.csv` or pandas' `to_csv(..., encoding='utf-8')`."
+    )
+
+
+def line_numbers(path: str | os.PathLike) -> list[int] | None:
+    """The 1-based file line on which each 0-based data row of a local csv/tsv/jsonl file starts (the header and
+    blank lines are not rows; a quoted CSV cell may span lines); None for files without lines (parquet, a JSON
+    array, a folder, a Hub id)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if not path.is_file() or suffix not in (*TABLE_SUFFIXES, ".json", ".jsonl"):
+        return None
+    with open(path, encoding="utf-8", newline="") as handle:
+        if suffix in TABLE_SUFFIXES:
+            quoting = csv.QUOTE_NONE if suffix in UNQUOTED_SUFFIXES else csv.QUOTE_MINIMAL
+            reader = csv.reader(handle, delimiter=TABLE_SUFFIXES[suffix], quoting=quoting)
+            starts, line = [], 1
+            for record in reader:
+                if record:
+                    starts.append(line)
+                line = reader.line_num + 1
+            return starts[1:]
+        lines = handle.read().splitlines()
+    if suffix == ".json" and lines and lines[0].lstrip().startswith("["):
+        return None  # one JSON array: rows are not lines
+    return [number for number, line in enumerate(lines, 1) if line.strip()]
+
+
+def describe_rows(name_or_path: str | os.PathLike, rows, limit: int = 10) -> str:
+    """``"rows 0, 3 (0-based data rows, the index of prediction files; file lines 2, 5)"`` for error messages."""
+    rows = [int(row) for row in rows]
+    more = f", ... ({len(rows) - limit} more)" if len(rows) > limit else ""
+    text = f"{len(rows)} row(s) {', '.join(map(str, rows[:limit]))}{more} (0-based data rows"
+    lines = line_numbers(name_or_path)
+    if lines is not None:
+        shown = [str(lines[row]) if row < len(lines) else "?" for row in rows[:limit]]
+        text += f"; file lines {', '.join(shown)}{more}"
+    return text + ")"
 
 
 def _read_json(path: Path) -> pd.DataFrame:
-    """A ``.json`` file holding one JSON array or object, or JSON lines (as ``load_dataset("json")`` reads both)."""
+    """A ``.json`` file holding one JSON array or object, or JSON lines (as ``load_dataset("json")`` reads both);
+    values keep their JSON types (``dtype=False``: a text ``"NA"`` or ``"12"`` stays that text)."""
+    options = {"dtype": False, "encoding": "utf-8"}
+    if path.stat().st_size == 0:
+        raise ValueError(f"{str(path)!r} is empty: a data file needs one JSON object per example.")
     try:
         if path.suffix.lower() == ".jsonl":
-            return pd.read_json(path, lines=True)
+            return pd.read_json(path, lines=True, **options)
         try:
-            return pd.read_json(path)
+            return pd.read_json(path, **options)
+        except UnicodeDecodeError:
+            raise
         except ValueError:
-            return pd.read_json(path, lines=True)
+            return pd.read_json(path, lines=True, **options)
+    except UnicodeDecodeError:
+        raise
     except ValueError as error:
         raise ValueError(
             f"{str(path)!r} is neither JSON lines (an object per line) nor one JSON table: {error}"
         ) from error
 
 
-def read_tab_separated(path: str | os.PathLike) -> pd.DataFrame:
-    """A UTF-8 tab-separated file with a header line, quotes taken literally (one line, one row)."""
-    return pd.read_csv(path, sep="\t", encoding="utf-8", quoting=csv.QUOTE_NONE)
+def read_tab_separated(path: str | os.PathLike, **kwargs) -> pd.DataFrame:
+    """A UTF-8 tab-separated file with a header line, quotes taken literally (one line, one row); ``kwargs`` go to
+    ``pd.read_csv``."""
+    return pd.read_csv(path, sep="\t", encoding="utf-8", quoting=csv.QUOTE_NONE, **kwargs)
+
+
+def label_text(value) -> str:
+    """A raw label as its class name: ``str(value)``, an integral float as its integer (a JSON or parquet column of
+    integers with a missing value is read as floats: ``1.0`` names class ``"1"``)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
 
 
 def label_names_of(frame: pd.DataFrame) -> list[str]:
-    """Class names in id order: sorted distinct label values."""
-    return [str(v) for v in sorted(frame["label"].unique().tolist())]
+    """Class names in id order: the distinct label values of the labelled rows, sorted by number when every one is a
+    number (``"2"`` before ``"10"``), else as text."""
+    names = sorted({label_text(value) for value in frame["label"] if not is_missing_label(value)})
+    try:
+        return sorted(names, key=float)
+    except ValueError:
+        return names
 
 
-def encode_labels(frame: pd.DataFrame, label_names: list[str]) -> pd.DataFrame:
-    """Map raw labels to ids ``0..C-1`` by ``label_names``; unknown labels are an error."""
+def encode_labels(frame: pd.DataFrame, label_names: list[str], source: str | None = None) -> pd.DataFrame:
+    """Map raw labels to ids ``0..C-1`` by ``label_names``; a label that is not a class is an error naming its rows
+    (of ``source``, the file read). Rows without a label (a test file's) keep None."""
     index = {name: i for i, name in enumerate(label_names)}
-    raw = frame["label"].astype(str)
-    unknown = sorted(set(raw) - set(index))
-    if unknown:
-        raise ValueError(f"Labels {unknown[:5]} do not occur in the training labels {label_names}.")
-    return frame.assign(label=raw.map(index).astype(int))
+    labelled = ~frame["label"].map(is_missing_label).to_numpy(dtype=bool)
+    raw = frame["label"].map(lambda value: None if is_missing_label(value) else label_text(value))
+    unknown = labelled & ~raw.isin(list(index)).to_numpy()
+    if unknown.any():
+        where = f"Dataset {source!r}: {describe_rows(source, np.flatnonzero(unknown))}" if source else "Rows"
+        values = sorted(set(raw[unknown]))
+        raise ValueError(
+            f"{where} have labels {values[:5]} that are not among the training labels {label_names}: fix those "
+            "labels, or give --label_column the column that holds the classes."
+        )
+    ids = raw.map(index)
+    return frame.assign(label=ids.astype(int) if labelled.all() else ids.astype(object).where(labelled, None))
 
 
 def k_shot(frame: pd.DataFrame, k: int | None, seed: int) -> pd.DataFrame:

@@ -86,6 +86,9 @@ VALIDATION, TEST = "validation", "test"
 """The names of the ``--validation_file`` and ``--test_file`` evaluation sets."""
 PREDICTIONS_FILE = "predict_results.csv"
 """Every model's predicted label on ``--test_file`` (``--do_predict``)."""
+RESULT_FILES = ("results.json", "summary.md", PREDICTIONS_FILE, "reliability_*.png", "graft_locations.png",
+                "sweep_accuracy.png")  # fmt: skip
+"""What a run writes into ``--report_dir``: an earlier run's are removed when a run starts."""
 BASELINES = (("movement", "top-k movement"), ("random", "random"))
 """(GraftConfig region, model kind) of the baseline regions evaluated at every graft size."""
 OWN_ROWS = re.compile(r"fine-tuned|pre-trained (\+ FT head|\(zero-shot\))|"
@@ -392,7 +395,8 @@ def main(args: list[str] | None = None) -> dict:
     report_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = U.load_tokenizer(ft, setup.head)
 
-    rows_of: dict[str, np.ndarray] = {}  # evaluation set -> each example's row in its file (the sorted order)
+    rows_of: dict[str, np.ndarray] = {}  # evaluation set -> each example's 0-based data row in its file (sorted)
+    unlabelled: list = []  # the --test_file rows without a label: predicted (predict_results.csv), not scored
 
     def load_set(path: str, name: str | None = None):
         frame = U.read_table(
@@ -401,10 +405,19 @@ def main(args: list[str] | None = None) -> dict:
             dataset_args.dataset_config_name,
             dataset_args.text_column,
             dataset_args.label_column,
+            label_required=name != TEST,
         )
-        frame = U.encode_labels(frame, setup.label_names)
+        frame = U.encode_labels(frame.assign(label=frame.get("label")), setup.label_names, path)
         if dataset_args.max_eval_samples is not None:
             frame = frame.sample(frac=1.0, random_state=0).iloc[: dataset_args.max_eval_samples]
+        if name == TEST and frame["label"].isna().any():
+            rows = frame[frame["label"].isna()].drop(columns="label")
+            dataset = U.tokenize(rows, tokenizer, setup)
+            unlabelled[:] = [rows.index.to_numpy(), dataset]
+            frame = frame[frame["label"].notna()]
+            if frame.empty:  # nothing to score: only predicted
+                rows_of[name] = frame.index.to_numpy()
+                return None
         dataset = U.tokenize(frame, tokenizer, setup)
         order = U.length_order(dataset)
         if name is not None:
@@ -412,6 +425,16 @@ def main(args: list[str] | None = None) -> dict:
         return dataset.select(order.tolist())
 
     datasets = {name: load_set(path, name) for name, path in zip(names, eval_paths, strict=True)}
+    if unlabelled:
+        logger.info("%s: %d rows without a label are predicted, not scored", eval_args.test_file, len(unlabelled[0]))
+    if TEST in datasets and datasets[TEST] is None:  # a test file without labels: only predicted
+        del datasets[TEST]
+        eval_paths, names = eval_paths[:-1], names[:-1]
+        if not names:
+            raise ValueError(
+                f"--test_file {eval_args.test_file!r} has no labelled row and nothing else is evaluated: give "
+                "--validation_file or --eval_datasets (a file with labels) beside it."
+            )
     for name, dataset in datasets.items():
         logger.info("Evaluation set %s: %d examples", name, len(dataset))
     temperature_data = None
@@ -419,6 +442,7 @@ def main(args: list[str] | None = None) -> dict:
         temperature_data = load_set(eval_args.temperature_dataset)
         logger.info("Temperature set %s: %d examples", eval_args.temperature_dataset, len(temperature_data))
     labels = {data: np.asarray(dataset["labels"]) for data, dataset in datasets.items()}
+    U.clear_results(report_dir, RESULT_FILES, logger)
 
     # The sweep's examples: a sample of the first evaluation set (its cached logits serve the sweep at graft sizes).
     sweep_set = names[0]
@@ -433,9 +457,13 @@ def main(args: list[str] | None = None) -> dict:
     temperature_logits: dict[str, np.ndarray] = {}
     models: dict[str, dict] = {}  # model name -> label (the summary's model column), kind, entries
 
+    unlabelled_logits: dict[str, np.ndarray] = {}
+
     def predict_all(name: str, model: torch.nn.Module, kind: str, entries: int | None, label: str = "") -> None:
         for data, dataset in datasets.items():
             logits[data][name] = predict(model, dataset)
+        if unlabelled:
+            unlabelled_logits[name] = predict(model, unlabelled[1])
         if temperature_data is not None:
             temperature_logits[name] = predict(model, temperature_data)
         models[name] = {"label": label or kind, "kind": kind, "entries": entries, "temperature_scaled": False}
@@ -588,8 +616,14 @@ def main(args: list[str] | None = None) -> dict:
     (report_dir / "results.json").write_text(json.dumps(results, indent=2))
     (report_dir / "summary.md").write_text(summary_markdown(results))
     if eval_args.do_predict:
-        path = write_predictions(report_dir / PREDICTIONS_FILE, logits[TEST], order, rows_of[TEST], setup.label_names,
-                                 labels[TEST])  # fmt: skip
+        test_logits, test_rows, test_labels = logits.get(TEST, {}), rows_of[TEST], labels.get(TEST, np.zeros(0, int))
+        if unlabelled:  # the rows without a label: label -1 (an empty cell)
+            test_logits = {name: np.concatenate([test_logits[name], unlabelled_logits[name]])
+                           if name in test_logits else unlabelled_logits[name] for name in order}  # fmt: skip
+            test_rows = np.concatenate([test_rows, unlabelled[0]])
+            test_labels = np.concatenate([test_labels, np.full(len(unlabelled[0]), -1)])
+        path = write_predictions(report_dir / PREDICTIONS_FILE, test_logits, order, test_rows, setup.label_names,
+                                 test_labels)  # fmt: skip
         logger.info("Predictions of %d models on %s written to %s", len(order), eval_args.test_file, path)
     logger.info("Report written to %s", report_dir)
     return results
@@ -625,14 +659,13 @@ def evaluation_sets(eval_args: EvaluateArguments) -> tuple[list[str], list[str]]
 
 def write_predictions(path: Path, logits: dict[str, np.ndarray], models: list[str], rows: np.ndarray,
                       label_names: list[str], labels: np.ndarray) -> Path:  # fmt: skip
-    """``predict_results.csv``: per example of the set (in file order) its row, true label and each model's predicted
-    label (the class names)."""
-    names = np.asarray(label_names, dtype=object)
+    """``predict_results.csv``: per example of the set, in file order, its ``index`` (0-based data row in the file), its
+    label (empty where the file has none: ``labels`` -1) and each model's predicted label (the class names)."""
+    names = np.asarray([*label_names, ""], dtype=object)  # label -1: no label
     ordered = np.argsort(rows, kind="stable")
     columns = {"index": rows[ordered], "label": names[labels[ordered]]}
     columns.update({model: names[logits[model].argmax(-1)[ordered]] for model in models})
-    pd.DataFrame(columns).to_csv(path, index=False)
-    return path
+    return U.write_text_atomic(path, pd.DataFrame(columns).to_csv(index=False))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,8 @@ from peft_graft.training import LayerRankCallback, freeze_outside, layer_region
 logger = logging.getLogger(__name__)
 SURGICAL_SELECTIONS = ("fim", "fim_bottom", "random")
 FIM_RANKS_FILE = "fim_ranks.json"
+# What a run writes beside the model: an earlier run's are removed when a run starts (U.clear_results).
+RESULT_FILES = (*U.RESULT_FILES, U.RESTRICTION_FILE, FIM_RANKS_FILE)
 # --preset: the defaults each one gives (k_shot is DataArguments'); 'paper' is FinetuneTrainingArguments' own defaults.
 _TRANSFORMERS_DEFAULTS = {f.name: f.default for f in fields(TrainingArguments)}
 PRESETS = {
@@ -303,6 +305,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         training_args.max_steps = paper_max_steps(setup.num_labels, data_args.k_shot or None)
         logger.info("max_steps = 16 x n x min(k, 512) = %d (appendix A.2)", training_args.max_steps)
     labelled_sets = eval_dataset is not None or (test_frame is not None and "label" in test_frame)
+    U.clear_results(training_args.output_dir, RESULT_FILES, logger)
     trainer = MovementL1Trainer(
         model=model,
         args=training_args,
@@ -325,8 +328,6 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         record.write_text(json.dumps({"method": restriction.method, "graft": restriction.graft, "entries": body,
                                       "head_entries": head, "trainable_entries": body + head,
                                       **restriction.details}, indent=2))  # fmt: skip
-    elif record.is_file():  # an earlier restricted run into this folder
-        record.unlink()
     if ranks is not None:
         history = {
             step: {str(layer): score for layer, score in scores.items()} for step, scores in ranks.history.items()

@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 PRESETS = {"paper": {"save_total_limit": 1}, "none": {"save_total_limit": 1}}
 # The sign test's level when the mask is selected on a validation set by accuracy and --selection_alpha is not given.
 SELECTION_ALPHA = 0.05
+# What a run writes beside the graft: an earlier run's are removed when a run starts (U.clear_results).
+RESULT_FILES = (*U.RESULT_FILES, "graft_results.json", "graft_stats.md")
 
 
 @dataclass
@@ -203,6 +205,7 @@ def main(args: list[str] | None = None) -> dict[str, float]:
                     "best accuracy, no sign test" if training_args.selection_alpha is None else
                     f"sign test at level {training_args.selection_alpha} (--selection_alpha none: off)")  # fmt: skip
     labelled_sets = eval_dataset is not None or (test_frame is not None and "label" in test_frame)
+    U.clear_results(training_args.output_dir, RESULT_FILES, logger)
     trainer = MaskTrainer(
         model=model,
         args=training_args,

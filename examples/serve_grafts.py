@@ -21,8 +21,13 @@ Without ``--graft`` it builds small demo grafts itself, offline, from the packag
 task, then a top-k-movement graft of 0.01% with the task's head stored whole: quick, not the paper's learned
 regions); without ``--requests`` it draws requests from the packaged MR, TREC and SMS data.
 
-Tasks with different numbers of classes share one base: every head is padded to the largest with rows that never win
-(weight 0, bias -1e4) when its graft is loaded.
+Request files: ``.jsonl`` (or ``.json``), ``.csv``, ``.tsv``/``.txt`` (tab-separated) or ``.parquet``, with ``task``
+and ``text`` columns (other columns are ignored); every request needs a task that names a graft (or ``__base__``) and a
+non-empty text, else a ``ValueError`` names the file and the lines. ``predictions.jsonl`` gives each request's
+``index``: its 0-based data row in the file (header excluded), as the other scripts' prediction files.
+
+Tasks with different numbers of classes share one base: :func:`peft_graft.serving.load_grafts` pads every head to the
+largest with rows that never win (weight 0, bias the lowest finite value of the head's dtype).
 """
 
 from __future__ import annotations
@@ -30,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,15 +44,14 @@ import pandas as pd
 import torch
 from peft import PeftModel, get_peft_model
 from real_tasks import ASSETS, ensure_assets, minilm_dir, task_frame
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from peft_graft import GraftConfig
-from peft_graft._checksum import record_weights_checksum
+from peft_graft.serving import load_grafts as load_padded_grafts
 
 logger = logging.getLogger(__name__)
 
-PAD_BIAS = -1e4  # a padded class's logit: below any real one
+BASE = "__base__"  # the task name that asks for the pre-trained model
 DEMO_TASKS = ("mr", "trec", "sms")
 
 
@@ -57,7 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graft", action="append", default=[], metavar="TASK=FOLDER", help="A graft to serve.")
     parser.add_argument("--model_name_or_path", default=None, help="The pre-trained base (default: packaged MiniLM).")
-    parser.add_argument("--requests", default=None, help="A .jsonl/.csv/.tsv file of task, text requests.")
+    parser.add_argument(
+        "--requests", default=None, help="A .jsonl/.json/.csv/.tsv/.txt/.parquet file with task and text columns."
+    )
     parser.add_argument("--output_dir", default="outputs/serving")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--max_seq_length", type=int, default=64)
@@ -113,16 +117,38 @@ def demo_requests(tasks: list[str], count: int, path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ serving
-def read_requests(path: str) -> pd.DataFrame:
-    frame = pd.read_json(path, lines=True) if path.endswith(".jsonl") else U.read_table(path)
+def read_requests(path: str, tasks: list[str]) -> pd.DataFrame:
+    """The ``task`` and ``text`` of every request of ``path``, in file order (index: the 0-based data row); a request
+    without a text, without a task or for a task not in ``tasks`` (nor ``__base__``) is a ``ValueError`` naming the
+    file and its lines."""
+    U.check_data_file(path, "--requests")
+    frame = U.read_frame(path)
     missing = {"task", "text"} - set(frame.columns)
     if missing:
-        raise ValueError(f"{path}: the requests need columns 'task' and 'text'; missing {sorted(missing)}.")
-    return frame[["task", "text"]].astype(str).reset_index(drop=True)
+        raise ValueError(
+            f"{path!r}: the requests need columns 'task' and 'text'; missing {sorted(missing)} (columns: "
+            f"{list(frame.columns)})."
+        )
+    frame = frame[["task", "text"]]
+    empty = frame.isna() | frame.map(lambda value: isinstance(value, str) and not value.strip())
+    for column, fix in (("text", "write the text"), ("task", f"name one of {sorted(tasks)} or {BASE!r}")):
+        if empty[column].any():
+            rows = U.describe_rows(path, empty.index[empty[column]])
+            raise ValueError(f"{path!r}: {rows} have no {column} (null or empty): {fix}, or delete those requests.")
+    frame = frame.astype(str)
+    unknown = ~frame["task"].isin([*tasks, BASE])
+    if unknown.any():
+        raise ValueError(
+            f"{path!r}: {U.describe_rows(path, frame.index[unknown])} ask for tasks "
+            f"{sorted(set(frame['task'][unknown]))[:5]} without a graft; grafts: {sorted(tasks)} (and {BASE!r} for "
+            "the pre-trained model). Add --graft TASK=FOLDER or fix the task names."
+        )
+    return frame
 
 
 def load_grafts(base: str, grafts: dict[str, str]) -> tuple[PeftModel, dict[str, list[str]]]:
-    """One base with every graft loaded under its task's name; heads padded to the largest number of classes."""
+    """One base with every graft loaded under its task's name; heads padded to the largest number of classes
+    (:func:`peft_graft.serving.load_grafts`)."""
     setups = {}
     for task, folder in grafts.items():
         setup = U.TaskSetup.load(folder)
@@ -134,29 +160,7 @@ def load_grafts(base: str, grafts: dict[str, str]) -> tuple[PeftModel, dict[str,
     model = AutoModelForSequenceClassification.from_pretrained(
         base, num_labels=num_labels, ignore_mismatched_sizes=True
     )
-    with tempfile.TemporaryDirectory() as scratch:
-        for number, (task, folder) in enumerate(grafts.items()):
-            padded = _padded_graft(folder, num_labels, Path(scratch, task))
-            if number == 0:
-                model = PeftModel.from_pretrained(model, padded, adapter_name=task)
-            else:
-                model.load_adapter(padded, adapter_name=task)
-    return model.eval(), setups
-
-
-def _padded_graft(folder: str, num_labels: int, out: Path) -> str:
-    """A copy of the graft whose classification head has ``num_labels`` rows (the extra ones never win)."""
-    tensors = load_file(str(Path(folder, "adapter_model.safetensors")))
-    for key, value in tensors.items():
-        if key.endswith("weight") and "classifier" in key and value.shape[0] < num_labels:
-            tensors[key] = torch.cat([value, value.new_zeros(num_labels - value.shape[0], *value.shape[1:])])
-        elif key.endswith("bias") and "classifier" in key and value.shape[0] < num_labels:
-            tensors[key] = torch.cat([value, value.new_full((num_labels - value.shape[0],), PAD_BIAS)])
-    out.mkdir(parents=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(Path(folder, "adapter_config.json"), out / "adapter_config.json")
-    record_weights_checksum(out)  # a new file: its own checksum
-    return str(out)
+    return load_padded_grafts(model, grafts).eval(), setups
 
 
 def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int]]:
@@ -174,7 +178,7 @@ def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int
 
 
 def serve(model, tokenizer, setups, requests: pd.DataFrame, batch_size: int, max_length: int, mode: str) -> list:
-    unknown = sorted(set(requests["task"]) - set(setups) - {"__base__"})
+    unknown = sorted(set(requests["task"]) - set(setups) - {BASE})
     if unknown:
         raise ValueError(f"Requests for tasks without a graft: {unknown}; grafts: {sorted(setups)}.")
     results = [None] * len(requests)
@@ -187,7 +191,7 @@ def serve(model, tokenizer, setups, requests: pd.DataFrame, batch_size: int, max
         with torch.inference_mode():
             if mode == "mixed":
                 logits = model(**inputs, adapter_names=tasks).logits
-            elif tasks[0] == "__base__":
+            elif tasks[0] == BASE:
                 with model.disable_adapter():
                     logits = model(**inputs).logits
             else:
@@ -198,7 +202,7 @@ def serve(model, tokenizer, setups, requests: pd.DataFrame, batch_size: int, max
             names = setups.get(task)
             label = int(scores[: len(names)].argmax()) if names else int(scores.argmax())
             results[row] = {
-                "id": row,
+                "index": int(requests.index[row]),
                 "task": task,
                 "text": requests["text"].iloc[row],
                 "prediction": names[label] if names else label,
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not grafts:
         grafts = build_demo_grafts(base, output_dir / "demo_grafts", args.demo_steps)
     requests_path = args.requests or demo_requests(list(grafts), args.num_requests, output_dir / "requests.jsonl")
-    requests = read_requests(requests_path)
+    requests = read_requests(requests_path, list(grafts))
     start = time.perf_counter()
     model, setups = load_grafts(base, grafts)
     load_s = time.perf_counter() - start
@@ -232,8 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()  # timed after one warm-up batch
     results = serve(model, tokenizer, setups, requests, args.batch_size, args.max_seq_length, args.mode)
     total_s = time.perf_counter() - start
-    with open(output_dir / "predictions.jsonl", "w") as handle:
-        handle.writelines(json.dumps(result) + "\n" for result in results)
+    U.write_text_atomic(output_dir / "predictions.jsonl", "".join(json.dumps(result) + "\n" for result in results))
     latencies = [result["latency_ms"] for result in results]
     summary = {
         "mode": args.mode,

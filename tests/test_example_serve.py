@@ -4,9 +4,12 @@ base in mixed batches give each request its own graft's prediction, as the per-t
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import pandas as pd
+import pytest
 import torch
 from peft import PeftModel, get_peft_model
 from testing_utils import finetune_like
@@ -69,7 +72,7 @@ def test_serving_mixed_batches_gives_each_request_its_grafts_prediction(tmp_path
         lines = (out / "predictions.jsonl").read_text().splitlines()
         predictions[mode] = [json.loads(line) for line in lines]
     mixed = predictions["mixed"]
-    assert [p["id"] for p in mixed] == list(range(len(requests)))
+    assert [p["index"] for p in mixed] == list(range(len(requests)))
     assert summaries["mixed"]["batches"] == 4 and summaries["per_task"]["batches"] == 6
     assert all(p["latency_ms"] > 0 for p in mixed) and summaries["mixed"]["throughput_requests_per_s"] > 0
     assert [p["prediction"] for p in mixed] == [p["prediction"] for p in predictions["per_task"]]
@@ -84,3 +87,69 @@ def test_serving_mixed_batches_gives_each_request_its_grafts_prediction(tmp_path
         expected = [labels[i] for i in logits.argmax(-1).tolist()]
         assert [p["prediction"] for p in mixed if p["task"] == task] == expected
     assert {type(p["prediction"]) for p in mixed if p["task"] == "__base__"} == {int}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> tuple[str, list[str], list[dict], list]:
+    """The assets, a request list and its predictions served from a JSON lines file (the reference)."""
+    root = tmp_path_factory.mktemp("serve")
+    base, specs = make_assets(root)
+    texts = ["the film was good", "who is the prize", "what a bad film", "call free prize now"]
+    requests = [{"task": task, "text": text} for text in texts for task in (*TASKS, "__base__")]
+    path = root / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    return base, specs, requests, _serve(base, specs, path, root / "out")
+
+
+def _serve(base: str, specs: list[str], requests: Path, out: Path) -> list:
+    argv = ["--model_name_or_path", base, "--requests", str(requests), "--output_dir", str(out), "--batch_size", "4"]
+    serve_grafts.main([*argv, *(f"--graft={spec}" for spec in specs)])
+    return [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+
+
+def _request_file(folder: Path, requests: list[dict], kind: str) -> Path:
+    frame = pd.DataFrame(requests).assign(user=range(len(requests)))  # an extra column is ignored
+    path = folder / f"requests.{kind}"
+    if kind == "csv":
+        frame.to_csv(path, index=False)
+    elif kind in ("tsv", "txt"):
+        frame.to_csv(path, index=False, sep="\t")
+    elif kind == "json":
+        frame.to_json(path, orient="records")
+    else:
+        frame.to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "txt", "json", "parquet"])
+def test_every_documented_request_format_serves_as_json_lines(served, tmp_path, kind):
+    """docs/serving.md and --help promise .jsonl, .csv and .tsv request files (and the readers take .txt, .json,
+    .parquet): each gives the JSON lines file's predictions, with each request's 0-based row as its index."""
+    base, specs, requests, expected = served
+    predictions = _serve(base, specs, _request_file(tmp_path, requests, kind), tmp_path / "out")
+    assert [p["index"] for p in predictions] == list(range(len(requests)))
+    assert [(p["task"], p["text"]) for p in predictions] == [(p["task"], p["text"]) for p in expected]
+    # (the base's own head, "__base__", is newly initialized at each load)
+    assert [p["prediction"] for p in predictions if p["task"] in TASKS] == [
+        p["prediction"] for p in expected if p["task"] in TASKS
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('task,text\nsentiment,good\nquestion,\n', r"1 row\(s\) 1 \(0-based data rows; file lines 3\) have no text"),
+        ('{"task": "sentiment", "text": "good"}\n{"task": "question", "text": null}\n',
+         r"1 row\(s\) 1 \(0-based data rows; file lines 2\) have no text \(null or empty\): write the text"),
+        ('task,text\n,good\nsentiment,bad\n', r"1 row\(s\) 0 \(0-based data rows; file lines 2\) have no task"),
+        ('{"text": "good"}\n', r"need columns 'task' and 'text'; missing \['task'\]"),
+        ('task,text\nsentiment,good\nspam,free prize\nspam,call\n',
+         r"2 row\(s\) 1, 2 \(0-based data rows; file lines 3, 4\) ask for tasks \['spam'\] without a graft"),
+        ("task,text\n", r"has no rows"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_value_errors_naming_the_file_and_line(tmp_path, content, message):
+    path = tmp_path / ("requests.jsonl" if content.startswith("{") else "requests.csv")
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(str(path)))}.*{message}"):
+        serve_grafts.read_requests(str(path), list(TASKS))

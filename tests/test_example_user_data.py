@@ -342,3 +342,223 @@ def test_a_redirected_fine_tune_shows_no_progress_bars(assets, tmp_path):
     text = log.read_text()
     assert "Saved the fine-tuned model" in text
     assert "\r" not in text and "Writing model shards" not in text
+
+
+# ---------------------------------------------------------------------------------------------------- no row lost
+# A test file as a careless user writes it: an empty text, a missing label, texts that pandas reads as missing.
+AWKWARD_TEST = "sentence,label\nthe film was good,pos\n,neg\nthe plot was dull,\nNA,pos\nnull,neg\nNone,pos\n"
+AWKWARD_TEXTS = ["the film was good", "", "the plot was dull", "NA", "null", "None"]
+
+
+def _awkward_test(tmp_path) -> str:
+    path = tmp_path / "awkward_test.csv"
+    path.write_text(AWKWARD_TEST)
+    return str(path)
+
+
+def test_graft_predicts_every_test_row_with_its_index(assets, finetuned, tmp_path):
+    """Every row of the test file gets a prediction line with its 0-based data row, in file order; the row without a
+    label is predicted and not scored."""
+    test = _awkward_test(tmp_path)
+    out = tmp_path / "graft"
+    metrics = graft(assets, finetuned, out, "--train_file", assets["train"], "--test_file", test, "--do_predict")
+    lines = (out / "predict_results.txt").read_text().splitlines()
+    assert lines[0] == "index\tprediction"
+    assert [line.split("\t")[0] for line in lines[1:]] == ["0", "1", "2", "3", "4", "5"]
+    assert metrics["predict_examples"] == 6 and metrics["predict_scored_examples"] == 5
+    saved = json.loads((out / "predict_results.json").read_text())
+    assert saved["predict_scored_examples"] == 5 and "predict_accuracy" in saved
+    # The predictions are those of the texts as written ('NA' is a text), each on its own row.
+    frame = U.read_table(test, label_required=False)
+    assert frame["text"].tolist() == AWKWARD_TEXTS and frame.index.tolist() == list(range(6))
+    assert frame["label"].isna().tolist() == [False, False, True, False, False, False]
+
+
+def test_evaluate_predicts_every_test_row_and_scores_the_labelled_ones(assets, finetuned, tmp_path):
+    graft_dir = tmp_path / "graft"
+    graft(assets, finetuned, graft_dir, "--train_file", assets["train"])
+    test, report = _awkward_test(tmp_path), tmp_path / "report"
+    results = run_evaluate.main([
+        "--model_name_or_path", assets["model"], "--finetuned_model_name_or_path", finetuned,
+        "--graft_dirs", str(graft_dir), "--test_file", test, "--do_predict", "--sweep", "false",
+        "--report_dir", str(report),
+    ])  # fmt: skip
+    predictions = pd.read_csv(report / "predict_results.csv", keep_default_na=False, dtype=str)
+    assert predictions["index"].tolist() == ["0", "1", "2", "3", "4", "5"]
+    assert predictions["label"].tolist() == ["pos", "neg", "", "pos", "neg", "pos"]
+    assert results["eval_sets"]["test"]["examples"] == 5  # scored: the rows with a label
+    scored = predictions[predictions["label"] != ""]
+    accuracy = (scored["fine-tuned"] == scored["label"]).mean()
+    assert accuracy == pytest.approx(results["metrics"]["test"]["fine-tuned"]["accuracy"])
+
+
+def test_evaluate_predicts_a_test_file_without_labels(assets, finetuned, tmp_path):
+    graft_dir = tmp_path / "graft"
+    graft(assets, finetuned, graft_dir, "--train_file", assets["train"])
+    report = tmp_path / "report"
+    results = run_evaluate.main([
+        "--model_name_or_path", assets["model"], "--finetuned_model_name_or_path", finetuned,
+        "--graft_dirs", str(graft_dir), "--validation_file", assets["dev"], "--test_file", assets["unlabeled"],
+        "--do_predict", "--sweep", "false", "--report_dir", str(report),
+    ])  # fmt: skip
+    assert list(results["metrics"]) == ["validation"]
+    predictions = pd.read_csv(report / "predict_results.csv", keep_default_na=False, dtype=str)
+    assert predictions["index"].tolist() == [str(i) for i in range(7)] and set(predictions["label"]) == {""}
+    assert set(predictions["fine-tuned"]) <= {"neg", "pos"}
+
+
+def _write(path: Path, rows: list[dict], kind: str) -> str:
+    """``rows`` as a file of ``kind``: csv, tsv, jsonl, json (one array), parquet, or a save_to_disk folder."""
+    frame = pd.DataFrame(rows)
+    target = path / ("data" if kind == "disk" else f"data.{kind}")
+    if kind == "csv":
+        frame.to_csv(target, index=False)
+    elif kind == "tsv":
+        frame.to_csv(target, index=False, sep="\t")
+    elif kind == "jsonl":
+        frame.to_json(target, orient="records", lines=True)
+    elif kind == "json":
+        frame.to_json(target, orient="records")
+    elif kind == "parquet":
+        frame.to_parquet(target)
+    else:
+        from datasets import Dataset
+
+        Dataset.from_pandas(frame).save_to_disk(str(target))
+    return str(target)
+
+
+# File lines of data row 2 (0-based): header on line 1 for tables, none for JSON lines; no lines for the others.
+LINE_OF_ROW_2 = {"csv": "4", "tsv": "4", "jsonl": "3", "json": None, "parquet": None, "disk": None}
+
+
+@pytest.mark.parametrize("kind", list(LINE_OF_ROW_2))
+def test_every_reader_refuses_a_training_row_without_a_label_and_names_it(tmp_path, kind):
+    rows = [{"text": "good", "label": "pos"}, {"text": "bad", "label": "neg"}, {"text": "fine", "label": None},
+            {"text": "NA", "label": "pos"}]  # fmt: skip
+    path = _write(tmp_path, rows, kind)
+    line = LINE_OF_ROW_2[kind]
+    where = r"1 row\(s\) 2 \(0-based data rows" + (rf"; file lines {line}\)" if line else r"\)")
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(path))}: {where} have no label in column 'label'.*Fill in"):
+        U.read_table(path)
+    # A test file may leave a label out: the row is kept, in place, with the others.
+    frame = U.read_table(path, label_required=False)
+    assert frame["text"].tolist() == ["good", "bad", "fine", "NA"] and frame["label"].isna().tolist()[2]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "disk"])
+def test_every_reader_refuses_a_null_text_and_names_its_row(tmp_path, kind):
+    rows = [{"text": "good", "label": "pos"}, {"text": None, "label": "neg"}]
+    path = _write(tmp_path, rows, kind)
+    with pytest.raises(ValueError, match=r"1 row\(s\) 1 \(0-based data rows.* have no text \(null\) in column 'text'"):
+        U.read_table(path, label_required=False)
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "json", "parquet", "disk"])
+def test_every_reader_keeps_texts_that_look_missing(tmp_path, kind):
+    """'NA', 'null', 'None', 'nan' and '' are texts; labels keep their class names ('1', not '1.0')."""
+    texts = ["NA", "null", "None", "nan", "", "N/A"]
+    rows = [{"text": text, "label": i % 2} for i, text in enumerate(texts)]
+    frame = U.read_table(_write(tmp_path, rows, kind))
+    assert frame["text"].tolist() == texts
+    assert U.label_names_of(frame) == ["0", "1"]
+    assert U.encode_labels(frame, ["0", "1"])["label"].tolist() == [0, 1, 0, 1, 0, 1]
+
+
+def test_a_tab_separated_file_with_a_multi_line_csv_cell_gives_file_lines(tmp_path):
+    path = tmp_path / "multi.csv"
+    path.write_text('text,label\n"two\nlines",pos\n\nok,\n')
+    with pytest.raises(ValueError, match=r"1 row\(s\) 1 \(0-based data rows; file lines 5\)"):
+        U.read_table(str(path))
+
+
+def test_a_validation_label_that_is_no_class_names_the_file_and_rows(assets, tmp_path):
+    path = tmp_path / "dev.csv"
+    path.write_text("sentence,label\nthe film was good,pos\nthe plot was dull,negative\n")
+    message = r"dev.csv': 1 row\(s\) 1 \(0-based data rows; file lines 3\) have labels \['negative'\] that"
+    with pytest.raises(ValueError, match=message):
+        finetune(assets, tmp_path / "ft", "--train_file", assets["train"], "--validation_file", str(path))
+
+
+def test_numeric_class_names_sort_by_number(tmp_path):
+    path = tmp_path / "ten.csv"
+    pd.DataFrame({"text": [f"t{i}" for i in range(11)], "label": list(range(11))}).to_csv(path, index=False)
+    assert U.label_names_of(U.read_table(str(path))) == [str(i) for i in range(11)]
+
+
+def test_a_training_file_with_one_class_is_refused(assets, tmp_path):
+    path = tmp_path / "one_class.csv"
+    _rows(10, 0)[lambda f: f["label"] == "pos"].to_csv(path, index=False)
+    with pytest.raises(ValueError, match=r"one_class.csv' has 1 class\(es\) \['pos'\] in column 'label'.*at least two"):
+        finetune(assets, tmp_path / "ft", "--train_file", str(path))
+    assert not (tmp_path / "ft" / "model.safetensors").exists()
+
+
+def test_negative_rows_with_empty_texts_still_train_both_classes(assets, tmp_path):
+    """The case that used to train a one-class regression head: the negative rows' texts are empty."""
+    frame = _rows(16, 0)
+    frame.loc[frame["label"] == "neg", "sentence"] = ""
+    path = tmp_path / "empty_negatives.csv"
+    frame.to_csv(path, index=False)
+    out = tmp_path / "ft"
+    finetune(assets, out, "--train_file", str(path))
+    assert U.TaskSetup.load(out).label_names == ["neg", "pos"]
+    assert load_file(out / "model.safetensors")["classifier.weight"].shape[0] == 2  # not a 1-output regression head
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        ("empty.csv", b"", r"'.*empty.csv' is empty: a data file needs a header line"),
+        ("empty.jsonl", b"", r"'.*empty.jsonl' is empty"),
+        ("blank.csv", b"\n\n", r"'.*blank.csv' is empty"),
+        ("header.csv", b"sentence,label\n", r"'.*header.csv' has no rows \(columns: \['sentence', 'label'\]\)"),
+        ("header.tsv", b"sentence\tlabel\n", r"'.*header.tsv' has no rows"),
+        ("latin1.csv", b"sentence,label\nfine,pos\ncaf\xe9 noir,neg\n",
+         r"'.*latin1.csv' is not UTF-8 text: byte 0xe9 at line 3, column 4 .*Re-save it as UTF-8"),
+        ("latin1.jsonl", b'{"sentence": "ok", "label": "pos"}\n{"sentence": "caf\xe9", "label": "neg"}\n',
+         r"'.*latin1.jsonl' is not UTF-8 text: byte 0xe9 at line 2, column 18"),
+        ("latin1.tsv", b"sentence\tlabel\ncaf\xe9\tneg\n", r"latin1.tsv' is not UTF-8 text: byte 0xe9 at line 2"),
+    ],
+)  # fmt: skip
+def test_empty_header_only_and_non_utf8_files_are_value_errors_naming_the_file(assets, tmp_path, name, data, message):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        finetune(assets, tmp_path / "ft", "--train_file", str(path))
+
+
+# ---------------------------------------------------------------------------------------------------- a later run
+def test_a_later_run_into_the_same_folders_leaves_no_earlier_result(assets, finetuned, tmp_path):
+    """run_finetune, run_graft and run_evaluate remove the result files of an earlier run in their folder before
+    writing their own: a run without --do_predict leaves no earlier predictions beside the new model."""
+    ft = tmp_path / "ft"
+    finetune(assets, ft, "--train_file", assets["train"], "--validation_file", assets["dev"], "--test_file",
+             assets["test"], "--do_predict")  # fmt: skip
+    assert {"predict_results.txt", "predict_results.json", "eval_results.json"} <= {p.name for p in ft.iterdir()}
+    finetune(assets, ft, "--train_file", assets["train"])
+    names = {p.name for p in ft.iterdir()}
+    assert not {"predict_results.txt", "predict_results.json", "eval_results.json"} & names
+    assert "model.safetensors" in names and "train_results.json" in names
+
+    out = tmp_path / "graft"
+    graft(assets, finetuned, out, "--train_file", assets["train"], "--validation_file", assets["dev"],
+          "--test_file", assets["test"], "--do_predict")  # fmt: skip
+    assert (out / "predict_results.txt").is_file() and "eval_accuracy" in json.loads(
+        (out / "graft_results.json").read_text())  # fmt: skip
+    graft(assets, finetuned, out, "--train_file", assets["train"])
+    assert not (out / "predict_results.txt").exists() and not (out / "predict_results.json").exists()
+    assert not (out / "eval_results.json").exists()
+    assert "eval_accuracy" not in json.loads((out / "graft_results.json").read_text())
+    assert (out / "adapter_model.safetensors").is_file()
+
+    report = tmp_path / "report"
+    common = ["--model_name_or_path", assets["model"], "--finetuned_model_name_or_path", finetuned,
+              "--graft_dirs", str(out), "--report_dir", str(report)]  # fmt: skip
+    run_evaluate.main([*common, "--eval_datasets", assets["dev"], "--eval_names", "old", "--test_file",
+                       assets["test"], "--do_predict"])  # fmt: skip
+    assert (report / "predict_results.csv").is_file() and (report / "reliability_graft_old.png").is_file()
+    run_evaluate.main([*common, "--eval_datasets", assets["dev"], "--eval_names", "new", "--sweep", "false"])
+    names = {p.name for p in report.iterdir()}
+    assert "predict_results.csv" not in names and "sweep_accuracy.png" not in names
+    assert "reliability_graft_old.png" not in names and "reliability_graft_new.png" in names
