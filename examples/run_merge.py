@@ -1,38 +1,43 @@
 #!/usr/bin/env python
-"""Merge three fine-tunes of one model by stitching their grafts, against task arithmetic, TIES and DARE, offline.
+"""Merge fine-tunes of one model, fairly: four tasks, frozen heads of their own, every rule tuned on dev, offline.
 
-The tasks and fine-tunes are ``run_continual.py``'s, from ``three_tasks.py`` (movie-review sentiment MR, TREC question
-type, SMS spam, each fine-tuned on its own from all-MiniLM-L6-v2: SGD, lr 5e-2, batch 8, 200 steps, frozen embeddings,
-one 6-way head shape with the same seeded initial head; a 2-class task reads its first two logits). Per task, two grafts
-are saved in ``--work_dir`` (and reused by a second run): the *full* graft (every entry fine-tuning moved: the task
-vector ``tau = theta_ft - theta_pre``) and the *learned* graft (``MaskTrainer``, ``--fraction`` of the parameters,
-selected on the dev set), both with the task's head stored whole.
+The set-up (docs/merging.md says why):
 
-Every rule of :func:`peft_graft.merging.merge_grafts` then builds one merged body, evaluated with each task's own head
-(accuracy, ECE on the test sets; normalized accuracy = merged / individual fine-tune):
+* **Tasks**: movie-review sentiment (MR, 2 classes), TREC question type (6), SMS spam (2) and the CrowdFlower tweets'
+  sentiment (3), all from packaged data; disjoint test, dev and training sets per task.
+* **Heads**: each task's head is frozen and its own: the normalised mean-pooled embeddings of its class descriptions
+  (:data:`DESCRIPTIONS`) under the pre-trained all-MiniLM-L6-v2, as CLIP's zero-shot heads; ``logits = scale * cos``
+  with a fixed ``--logit_scale``. A task's logits are only its own classes. The body is mean-pooled as the packaged
+  sentence model is: there is no pooler, and no head is ever in a graft or a merge.
+* **Fine-tunes**: the body alone (embeddings frozen), SGD, lr 5e-2, batch 8, on up to ``train_size`` examples per
+  task (the many-shot settings of ``run_pipeline.py`` with a stated budget of steps).
+* **Regions per task**: the *full* graft (every entry fine-tuning moved: ``tau = theta_ft - theta_pre``, exact);
+  Localize-and-Stitch's localization (:class:`~peft_graft.LocalizeStitch`, the reference settings on ``localize_k_shot``
+  examples per class); the same learned outside the earlier tasks' regions (*disjoint*: regions that do not collide);
+  and the grafting trainer (``MaskTrainer``, ``--fraction`` of the parameters, selected on dev).
+* **Rules** (:func:`peft_graft.merging.merge_grafts`): stitch on each kind of region, stitch_dataless, task
+  arithmetic, TIES, DARE-TIES, DARE-linear, Consensus TA and Consensus TIES; every setting chosen on the dev sets (mean
+  dev accuracy) over a grid widened while its winner lies on an edge it can move (``--max_widen`` times), never on test.
+* **Serve, don't merge**: each task's exact (full) graft, and its L&S graft, served in mixed batches
+  (``adapter_names``), with the forward cost of a mixed batch and of the best merged model against the base model's
+  (paired ratios, alternating in one process).
 
-* ``stitch`` (Localize-and-Stitch): the learned regions, overlaps averaged;
-* ``stitch_dataless``: each task's top ``--fraction`` of ``|tau|``, overlaps averaged;
-* ``task_arithmetic``, ``ties``, ``dare_ties``, ``dare_linear`` on the full task vectors, their scaling ``lambda``
-  and density chosen on the dev sets (mean dev accuracy) over a grid that is reported whole; never on test.
+Writes ``summary.md``, ``results.json`` and figures to ``--report_dir``; every fine-tune, region and score is saved in
+``--work_dir`` as it lands, and a rerun skips what is done.
 
-Then the interference view of the stitched model: where the regions overlap (``overlap_matrix``) and what the
-overlapping entries cost each task (test accuracy with and without them; relative gain, Eq. 5).
-
-Writes ``summary.md``, ``results.json`` and ``merge_accuracy_vs_size.png`` to ``--report_dir``.
-
-    python examples/run_merge.py                     # about 30 minutes on 2 CPU cores (24 of them cached after)
-    python examples/run_merge.py --smoke             # a few steps of everything
+    python examples/run_merge.py            # the full run (docs/merging.md gives its time)
+    python examples/run_merge.py --smoke    # a few steps of everything
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import json
 import logging
 import os
+import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,132 +48,366 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import example_utils as U
+import numpy as np
+import pandas as pd
 import torch
+import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
-from real_tasks import ASSETS, ensure_assets, minilm_dir
-from three_tasks import DEFAULT, SMOKE, Runner, Task, load_tasks
-from transformers import HfArgumentParser
+from real_tasks import ASSETS, TWEETS_ASSETS, ensure_assets, minilm_dir, prepare_data
+from safetensors.torch import load_file, save_file
+from three_tasks import Runner, Task
+from torch import nn
+from transformers import AutoModel, HfArgumentParser
+from transformers.modeling_outputs import SequenceClassifierOutput
 
-from peft_graft import GraftConfig, Region
-from peft_graft.analysis import overlap_matrix, plot_region_matrix, relative_gain
-from peft_graft.calibration import save_figure
-from peft_graft.merging import merge_grafts
+from peft_graft import GraftConfig, LocalizeStitch, Region
+from peft_graft.analysis import overlap_matrix, plot_region_matrix
+from peft_graft.calibration import calibration_report, save_figure
+from peft_graft.merging import MergedGraft, merge_grafts
 
 logger = logging.getLogger("run_merge")
+
+TASKS = ("mr", "trec", "sms", "tweets")
+DESCRIPTIONS = {  # class name (as in the data, sorted) -> its description, embedded by the pre-trained body
+    "mr": {"0": "a negative movie review", "1": "a positive movie review"},
+    "trec": {
+        "ABBR": "a question asking for an abbreviation or what it stands for",
+        "DESC": "a question asking for a description, definition, manner or reason",
+        "ENTY": "a question asking for a thing, an entity, an object or a term",
+        "HUM": "a question asking for a person, a group or an organization",
+        "LOC": "a question asking for a place, a city or a country",
+        "NUM": "a question asking for a number, a date, a count or an amount",
+    },
+    "sms": {"0": "a personal text message between friends", "1": "a spam text message advertising a prize or offer"},
+    "tweets": {"negative": "a negative tweet", "neutral": "a neutral tweet", "positive": "a positive tweet"},
+}
+FULL = dict(train_size=2000, max_seq_length=64, ft_steps=400, ft_batch=8, ft_lr=5e-2, test_size=500, dev_size=200,
+            localize_k_shot=32, localize_batch=8, localize_steps=10, mask_steps=50, mask_batch=16,
+            timing_repeats=15)  # fmt: skip
+SMOKE = dict(train_size=24, max_seq_length=32, ft_steps=4, ft_batch=4, ft_lr=5e-2, test_size=24, dev_size=16,
+             localize_k_shot=3, localize_batch=4, localize_steps=2, mask_steps=2, mask_batch=8,
+             timing_repeats=2)  # fmt: skip
+REGION_KINDS = ("ls", "disjoint", "learned")  # stitched: L&S regions, L&S outside earlier regions, MaskTrainer's
 
 
 @dataclass
 class MergeArguments:
-    """What to merge and how to grid the global methods."""
+    """What to fine-tune, localize and merge, and the grids."""
 
     model_name_or_path: str | None = field(
-        default=None, metadata={"help": "The pre-trained model (default: the packaged all-MiniLM-L6-v2)."}
+        default=None, metadata={"help": "The pre-trained sentence encoder (default: the packaged all-MiniLM-L6-v2)."}
     )
+    tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={"help": f"Tasks, of {TASKS}."})
+    logit_scale: float = field(default=20.0, metadata={"help": "Fixed scale of the frozen heads' cosine logits."})
     fraction: float = field(
-        default=1e-2,
-        metadata={"help": "Size of the learned regions and of stitch_dataless's top-k, a fraction of all parameters."},
+        default=1e-2, metadata={"help": "Size of the MaskTrainer regions, a fraction of all parameters."}
     )
+    ls_sparsity: float = field(default=1e-5, metadata={"help": "L&S: start fraction (top of |tau|)."})
+    ls_sigmoid_bias: float = field(default=5.0, metadata={"help": "L&S: |S| at the start."})
+    ls_lr: float = field(default=1e7, metadata={"help": "L&S: step size on S."})
+    ls_l1: float = field(default=10.0, metadata={"help": "L&S: strength of the sign-keeping term."})
     lambdas: list[float] = field(
-        default_factory=lambda: [0.3, 0.5, 0.7, 1.0, 1.5], metadata={"help": "Grid of the global methods' scaling."}
+        default_factory=lambda: [0.3, 0.5, 0.7, 1.0, 1.5], metadata={"help": "Grid of the global rules' scaling."}
     )
     densities: list[float] = field(
-        default_factory=lambda: [0.1, 0.2, 0.5], metadata={"help": "Grid of TIES/DARE's density (fraction kept)."}
+        default_factory=lambda: [0.1, 0.3, 0.6], metadata={"help": "Grid of TIES/DARE's density (fraction kept)."}
     )
-    ft_steps: int | None = field(default=None, metadata={"help": "Fine-tuning steps (default: run_continual's 200)."})
-    mask_steps: int | None = field(default=None, metadata={"help": "MaskTrainer steps (default: run_continual's 100)."})
-    dev_size: int | None = field(
-        default=None, metadata={"help": "Dev examples per task, for the mask selection and the grid (default 300)."}
+    tall_lambdas: list[float] = field(
+        default_factory=lambda: [0.2, 0.4, 0.6], metadata={"help": "Grid of Consensus's TALL-mask lambda."}
     )
+    dataless_densities: list[float] = field(
+        default_factory=lambda: [0.003, 0.01, 0.03, 0.1],
+        metadata={"help": "Grid of stitch_dataless's density (each task's top of |tau|, of the moved entries)."},
+    )
+    consensus_k: int = field(default=2, metadata={"help": "Consensus: tasks whose TALL masks must hold an entry."})
+    max_widen: int = field(
+        default=2, metadata={"help": "Times a grid axis is extended while its winner is on an edge."}
+    )
+    ft_steps: int | None = field(default=None, metadata={"help": "Fine-tuning steps (default: the preset's)."})
+    train_size: int | None = field(default=None, metadata={"help": "Training examples per task (default: preset)."})
     threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (default: torch's)."})
-    seed: int = field(default=42, metadata={"help": "Seed of the k-shot samples, training and DARE's drops."})
+    seed: int = field(default=42, metadata={"help": "Seed of the samples, training and DARE's drops."})
     smoke: bool = field(default=False, metadata={"help": "A few steps of everything."})
-    prepare_only: bool = field(default=False, metadata={"help": "Only fine-tune and graft the tasks (cached)."})
-    work_dir: str = field(default="outputs/merge", metadata={"help": "Data, fine-tunes' grafts and scratch files."})
-    report_dir: str = field(default="reports/merge", metadata={"help": "summary.md, results.json, figure."})
+    work_dir: str = field(default="outputs/merge", metadata={"help": "Data, fine-tunes, grafts, cached scores."})
+    report_dir: str = field(default="reports/merge", metadata={"help": "summary.md, results.json, figures."})
 
 
-def task_grafts(run: Runner, tasks: dict[str, Task], pre, num_entries: int) -> dict[str, dict]:
-    """Per task: the individual fine-tune's scores, its full graft (``work/grafts/<task>/full``) and its learned graft
-    (``.../learned``), each saved as it lands and reused when the settings match."""
-    key = json.dumps({**run.settings, "seed": run.seed, "num_entries": num_entries}, sort_keys=True)
+# ------------------------------------------------------------------------------------------ model and heads
+class SentenceClassifier(nn.Module):
+    """A sentence encoder with a frozen head: ``logits = scale * <normalize(mean_pool(body(x))), head_c>``.
+
+    The head (one row per class) is a buffer, outside every graft; its loss covers only its own classes.
+    """
+
+    def __init__(self, body: nn.Module, num_labels: int, scale: float) -> None:
+        super().__init__()
+        self.body, self.config, self.scale = body, body.config, scale
+        self.register_buffer("head", torch.zeros(num_labels, body.config.hidden_size), persistent=False)
+
+    def embed(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9), dim=-1)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> SequenceClassifierOutput:
+        logits = self.scale * self.embed(input_ids, attention_mask, token_type_ids) @ self.head.T
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def pretrained(model_dir: str, scale: float) -> SentenceClassifier:
+    """theta_pre: the encoder without a pooler (the sentence model mean-pools), embeddings frozen."""
+    body = U.from_pretrained(AutoModel, model_dir, add_pooling_layer=False, dtype=torch.float32)
+    model = SentenceClassifier(body, 1, scale)
+    for param in body.embeddings.parameters():
+        param.requires_grad_(False)
+    return model.eval()
+
+
+def task_head(pre: SentenceClassifier, tokenizer, descriptions: list[str]) -> torch.Tensor:
+    """The normalised embeddings of the class descriptions under theta_pre, one row per class."""
+    batch = tokenizer(descriptions, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return pre.embed(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")).clone()
+
+
+def set_head(model: nn.Module, head: torch.Tensor) -> None:
+    """Give ``model`` (a SentenceClassifier, plain or under peft) the task head ``head``."""
+    classifier = model.get_base_model() if isinstance(model, PeftModel) else model
+    classifier.head = head
+
+
+# ------------------------------------------------------------------------------------------ data
+def load_tasks(names: list[str], work: Path, settings: dict, seed: int, tokenizer) -> dict[str, Task]:
+    """Per task: test and dev sets drawn like the data, up to ``train_size`` shuffled training examples from the rest,
+    and the L&S localization set (``localize_k_shot`` per class of the training examples) as ``Task.localize``."""
+    tasks = {}
+    for name in names:
+        if name not in DESCRIPTIONS:
+            raise ValueError(f"Unknown task {name!r}: use one of {TASKS}.")
+        paths = prepare_data(name, work / "data", settings["test_size"], settings["dev_size"], None)
+        frames = {split: pd.read_csv(paths[split]) for split in ("train", "dev", "test")}
+        labels = U.label_names_of(frames["train"])
+        if labels != sorted(DESCRIPTIONS[name]):
+            raise ValueError(
+                f"Task {name!r}: classes {labels} in the data, descriptions for {sorted(DESCRIPTIONS[name])}."
+            )
+        frames = {split: U.encode_labels(frame, labels) for split, frame in frames.items()}
+        frames["train"] = frames["train"].sample(frac=1.0, random_state=seed).iloc[: settings["train_size"]]
+        k = min(settings["localize_k_shot"], int(frames["train"]["label"].value_counts().min()))
+        frames["localize"] = U.k_shot(frames["train"], k, seed)
+        setup = U.TaskSetup("classification", labels, max_seq_length=settings["max_seq_length"])
+        data = {split: U.tokenize(frame, tokenizer, setup) for split, frame in frames.items()}
+        task = Task(name, len(labels), data["train"], U.by_length(data["dev"]), U.by_length(data["test"]))
+        task.labels, task.localize = labels, data["localize"]
+        tasks[name] = task
+        logger.info("%s: %d classes, %s examples", name, len(labels), {s: len(d) for s, d in data.items()})
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------ per task, cached
+class Stage:
+    """A unit of work saved as it lands: ``<folder>/<name>.json`` holds its key and results once done."""
+
+    def __init__(self, folder: Path, name: str, key: str) -> None:
+        self.folder, self.marker, self.key = folder, folder / f"{name}.json", key
+
+    def done(self) -> dict | None:
+        if self.marker.is_file():
+            record = json.loads(self.marker.read_text())
+            if record.get("key") == self.key:
+                return record["results"]
+        return None
+
+    def finish(self, results: dict) -> dict:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.marker, json.dumps({"key": self.key, "results": results}))
+        return results
+
+
+def atomic_write(path: Path, text: str) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def prepare_task(run: Runner, args: MergeArguments, name: str, task: Task, pre, heads, exclude: Region) -> dict:
+    """Fine-tune, graft and localize one task; each stage saved in ``work/tasks/<name>/`` and skipped when done."""
+    folder, key = run.work / "tasks" / name, run_key(run, args)
     out = {}
-    for name, task in tasks.items():
-        folder = run.work / "grafts" / name
-        record = folder / "scores.json"
-        if record.is_file() and json.loads(record.read_text())["key"] == key:
-            out[name] = json.loads(record.read_text())["scores"]
-            logger.info("%s: reusing the fine-tune's grafts in %s", name, folder)
-            continue
+    stage = Stage(folder, "finetune", key)
+    out["finetune"] = stage.done()
+    if out["finetune"] is None:
         start = time.perf_counter()
-        finetuned = run.finetune(copy.deepcopy(pre), task.train, run.settings["ft_steps"])
-        scores = {"fine-tuned": run.score(finetuned, task), "fine-tuned dev": run.score(finetuned, task, task.dev)}
-        full = get_peft_model(
-            copy.deepcopy(pre), GraftConfig(finetuned=finetuned, sparsity=1.0, modules_to_save=["classifier"])
+        model = copy.deepcopy(pre)
+        set_head(model, heads[name])
+        model.train()
+        run.finetune(model, task.train, run.settings["ft_steps"])
+        trained = {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(trained, str(folder / "finetuned.tmp"))
+        os.replace(folder / "finetuned.tmp", folder / "finetuned.safetensors")
+        get_peft_model(copy.deepcopy(pre), GraftConfig(finetuned=model.state_dict(), sparsity=1.0)).save_pretrained(
+            folder / "full"
         )
-        full.save_pretrained(folder / "full")
-        del full
-        learned = run.learn_region(pre, finetuned, task, num_entries, empty_start=False)
-        scores["learned graft"] = run.score(learned, task)
-        learned.save_pretrained(folder / "learned")
-        scores["minutes"] = (time.perf_counter() - start) / 60
-        record.write_text(json.dumps({"key": key, "scores": scores}))
-        out[name] = scores
-        logger.info("%s: %s", name, scores)
-        del finetuned, learned
+        results = {"test": run.score(model, task), "dev": run.score(model, task, task.dev)}
+        out["finetune"] = stage.finish({**results, "minutes": (time.perf_counter() - start) / 60})
+        logger.info("%s fine-tuned: %s", name, out["finetune"])
+    finetuned = {**pre.state_dict(), **load_file(str(folder / "finetuned.safetensors"))}
+    for kind, region_exclude in (("ls", None), ("disjoint", exclude)):
+        stage = Stage(folder, kind, key + (json.dumps(sorted_region(exclude)) if kind == "disjoint" else ""))
+        out[kind] = stage.done()
+        if out[kind] is None:
+            out[kind] = stage.finish(
+                localize(run, args, task, pre, heads[name], finetuned, region_exclude, folder / kind)
+            )
+            logger.info("%s %s region: %s", name, kind, out[kind])
+    stage = Stage(folder, "learned", key)
+    out["learned"] = stage.done()
+    if out["learned"] is None:
+        start = time.perf_counter()
+        model = copy.deepcopy(pre)
+        set_head(model, heads[name])
+        num_entries = max(1, round(args.fraction * sum(p.numel() for p in pre.parameters())))
+        graft = run.learn_region(model, finetuned, task, num_entries, empty_start=False, modules_to_save=())
+        graft.save_pretrained(folder / "learned")
+        results = {"test": run.score(graft, task), "entries": graft.base_model.get_region("default").num_entries}
+        out["learned"] = stage.finish({**results, "minutes": (time.perf_counter() - start) / 60})
+        logger.info("%s MaskTrainer region: %s", name, out["learned"])
     return out
 
 
-GLOBAL_RULES = ("task_arithmetic", "ties", "dare_ties", "dare_linear")
+def sorted_region(region: Region) -> dict:
+    return {name: [int(indices.numel()), int(indices.sum())] for name, indices in sorted(region.items())}
 
 
-def grid(args: MergeArguments) -> list[tuple[str, dict]]:
-    """The global methods' settings tried on the dev sets: lambda for task arithmetic, lambda x density for the rest."""
-    out = [("task_arithmetic", {"weights": lam}) for lam in args.lambdas]
-    for rule in GLOBAL_RULES[1:]:
-        out += [
-            (rule, {"weights": lam, "density": d, "seed": args.seed}) for d in args.densities for lam in args.lambdas
-        ]
-    return out
+def localize(run: Runner, args, task: Task, pre, head, finetuned: dict, exclude: Region | None, folder: Path) -> dict:
+    """L&S's localization on the task's localization set, saved as a graft (the task's tau on the region)."""
+    start = time.perf_counter()
+    model = copy.deepcopy(pre)
+    set_head(model, head)
+    localizer = LocalizeStitch(model, finetuned, sparsity=args.ls_sparsity, sigmoid_bias=args.ls_sigmoid_bias,
+                               learning_rate=args.ls_lr, l1_strength=args.ls_l1, exclude=exclude)  # fmt: skip
+    size = run.settings["localize_batch"]
+    data = task.localize
+    batches = [
+        run.collator(data.select(range(i, min(i + size, len(data)))).to_list()) for i in range(0, len(data), size)
+    ]
+    history = [list(step) for step in localizer.train(batches, run.settings["localize_steps"])]  # (loss, size)
+    region = localizer.region()
+    if not region.num_entries:
+        raise ValueError(f"{task.name}: the L&S region is empty after {len(history)} steps; lower --ls_l1.")
+    graft = get_peft_model(model, GraftConfig(finetuned=finetuned, region="given", given_region=region))
+    graft.save_pretrained(folder)
+    return {"test": run.score(graft, task), "entries": region.num_entries, "history": history,
+            "minutes": (time.perf_counter() - start) / 60}  # fmt: skip
 
 
+def run_key(run: Runner, args: MergeArguments) -> str:
+    fields = ("logit_scale", "fraction", "ls_sparsity", "ls_sigmoid_bias", "ls_lr", "ls_l1", "model_name_or_path")
+    return json.dumps({**run.settings, "seed": run.seed, **{f: getattr(args, f) for f in fields}}, sort_keys=True)
+
+
+# ------------------------------------------------------------------------------------------ merging
 class Evaluator:
     """Scores merged bodies with each task's head, caching every result in ``work/merge_scores.json`` as it lands."""
 
-    def __init__(self, run: Runner, tasks: dict[str, Task], model: PeftModel, key: str) -> None:
-        self.run, self.tasks, self.model = run, tasks, model
+    def __init__(self, run: Runner, tasks: dict[str, Task], model: PeftModel, heads: dict, key: str) -> None:
+        self.run, self.tasks, self.model, self.heads, self.key = run, tasks, model, heads, key
         self.path = run.work / "merge_scores.json"
         cached = json.loads(self.path.read_text()) if self.path.is_file() else {}
         self.cache = cached.get("scores", {}) if cached.get("key") == key else {}
-        self.key = key
 
     def __call__(self, label: str, split: str, build) -> dict:
-        """``build()`` adds the merged adapter and returns its MergedGraft; scores on ``split`` ("dev"/"test")."""
+        """``build()`` adds the merged adapter and returns its MergedGraft; scored on ``split`` ("dev"/"test")."""
         cache_key = f"{label} | {split}"
         if cache_key not in self.cache:
             merged = build()
             scores = {"entries": merged.num_entries, "bytes": merged.nbytes["total"]}
             for name in merged.tasks:
-                task = self.tasks[name]
-                merged.use_task(name)
-                scores[name] = self.run.score(self.model, task, task.dev if split == "dev" else None)
+                scores[name] = self.score(name, split)
             self.model.delete_adapter(merged.adapter_name)
-            self.cache[cache_key] = scores
-            self.path.write_text(json.dumps({"key": self.key, "scores": self.cache}))
-            logger.info("%s on %s: %s", label, split, scores)
+            self.store(cache_key, scores)
+            logger.info("%s on %s: %s", label, split, short(scores))
         return self.cache[cache_key]
+
+    def score(self, name: str, split: str) -> dict:
+        """The active adapter(s) with task ``name``'s head: accuracy, ECE and the predicted-class counts."""
+        task = self.tasks[name]
+        data = task.dev if split == "dev" else task.test
+        set_head(self.model, self.heads[name])
+        logits = self.run.logits(self.model, data, task)
+        report = calibration_report(logits, np.asarray(data["labels"]), input_type="logits",
+                                    metrics=["accuracy", "ece"])  # fmt: skip
+        predicted = np.bincount(logits.argmax(-1), minlength=task.num_labels).tolist()
+        return {"accuracy": 100 * report["accuracy"], "ece": 100 * report["ece"], "predicted": predicted}
+
+    def store(self, cache_key: str, scores: dict) -> None:
+        self.cache[cache_key] = scores
+        atomic_write(self.path, json.dumps({"key": self.key, "scores": self.cache}))
+
+
+def short(scores: dict) -> dict:
+    return {k: (round(v["accuracy"], 1) if isinstance(v, dict) else v) for k, v in scores.items()}
 
 
 def label_of(rule: str, options: dict) -> str:
-    shown = {k: v for k, v in options.items() if k in ("weights", "density")}
-    return rule + ("" if not shown else " " + " ".join(f"{k}={v:g}" for k, v in shown.items()))
+    return rule + "".join(f" {k}={v:g}" for k, v in options.items() if k not in ("seed", "consensus_k"))
 
 
-def load_grafts(pre, work: Path, tasks: dict[str, Task]) -> PeftModel:
-    """Every task's full and learned graft in one model: adapters ``<task>_full`` and ``<task>_learned``."""
+def mean_accuracy(scores: dict, names) -> float:
+    return sum(scores[name]["accuracy"] for name in names) / len(names)
+
+
+def extend(values: list[float], best: float, upper: float | None) -> list[float] | None:
+    """One more value beyond ``best`` when it is the grid's smallest or largest (and the axis can move there)."""
+    values = sorted(values)
+    if best == values[-1] and (upper is None or best < upper):
+        new = best * 1.5 if upper is None else min(upper, best * 2)
+        return [*values, round(new, 4)]
+    if best == values[0] and len(values) > 1:
+        return [round(best / 2, 4), *values]
+    return None
+
+
+def tune(evaluate, build, rule: str, axes: dict[str, list[float]], fixed: dict, names, max_widen: int) -> dict:
+    """The best setting of ``rule`` on dev over ``axes`` (name -> values), each axis widened up to ``max_widen`` times
+    while the winner is on its edge; returns the winner, its label, the axes tried and the edges it still lies on."""
+    uppers = {"weights": None, "density": 1.0, "tall_lambda": None}
+    axes = {axis: sorted(values) for axis, values in axes.items()}
+    widened = dict.fromkeys(axes, 0)
+    while True:
+        settings = [dict(zip(axes, combo, strict=True)) for combo in _product(list(axes.values()))]
+        scored = []
+        for setting in settings:
+            options = {**fixed, **setting}
+            label = label_of(rule, options)
+            scored.append((mean_accuracy(evaluate(label, "dev", build(rule, **options)), names), label, setting))
+        best_accuracy, best_label, best = max(scored, key=lambda item: item[0])
+        grown = False
+        for axis, values in axes.items():
+            more = extend(values, best[axis], uppers[axis]) if widened[axis] < max_widen else None
+            if more is not None:
+                axes[axis], widened[axis], grown = more, widened[axis] + 1, True
+        if not grown:
+            edges = [a for a, v in axes.items() if len(v) > 1 and best[a] in (min(v), max(v))]
+            return {"options": {**fixed, **best}, "label": best_label, "dev": best_accuracy, "axes": axes,
+                    "edges": edges}  # fmt: skip
+
+
+def _product(lists: list[list[float]]) -> list[tuple]:
+    out = [()]
+    for values in lists:
+        out = [(*combo, value) for combo in out for value in values]
+    return out
+
+
+def load_grafts(pre, work: Path, names: list[str]) -> PeftModel:
+    """Every task's grafts in one model: adapters ``<task>_<kind>`` for the full graft and each region kind."""
     model = None
-    for name in tasks:
-        for kind in ("full", "learned"):
-            folder = str(work / "grafts" / name / kind)
+    for name in names:
+        for kind in ("full", *REGION_KINDS):
+            folder = str(work / "tasks" / name / kind)
             if model is None:
                 model = PeftModel.from_pretrained(copy.deepcopy(pre), folder, adapter_name=f"{name}_{kind}")
             else:
@@ -176,247 +415,367 @@ def load_grafts(pre, work: Path, tasks: dict[str, Task]) -> PeftModel:
     return model.eval()
 
 
-def merge_all(args: MergeArguments, run: Runner, tasks: dict[str, Task], pre, key: str) -> dict:
-    model = load_grafts(pre, run.work, tasks)
-    evaluate = Evaluator(run, tasks, model, key)
-    full = {name: f"{name}_full" for name in tasks}
-    learned = {name: f"{name}_learned" for name in tasks}
-    union = Region()
-    for name in full.values():
-        union = union | model.base_model.get_region(name)
-    num_params = sum(p.numel() for p in pre.parameters())
-    budget = sum(model.base_model.get_region(name).num_entries for name in learned.values()) / len(learned)
-    dataless_density = budget / union.num_entries  # the learned regions' mean size, of the moved entries
+def merge_all(args: MergeArguments, run: Runner, tasks: dict[str, Task], pre, heads, key: str) -> dict:
+    names = list(tasks)
+    model = load_grafts(pre, run.work, names)
+    evaluate = Evaluator(run, tasks, model, heads, key)
+    sources = {kind: {n: f"{n}_{kind}" for n in names} for kind in ("full", *REGION_KINDS)}
 
-    def build(rule: str, sources: dict, **options):
-        return functools.partial(merge_grafts, model, sources, rule, **options)
+    def build(rule: str, kind: str = "full", **options):
+        return functools.partial(merge_grafts, model, sources[kind], rule, **options)
 
-    grid_scores = {}
-    for rule, options in grid(args):
-        grid_scores[label_of(rule, options)] = evaluate(label_of(rule, options), "dev", build(rule, full, **options))
-    chosen = {}
-    for rule in GLOBAL_RULES:  # the best mean dev accuracy of each rule
-        candidates = [(label, options) for r, options in grid(args) if r == rule for label in [label_of(r, options)]]
-        label, options = max(candidates, key=lambda c: mean_accuracy(grid_scores[c[0]], tasks))
-        chosen[rule] = (label, build(rule, full, **options))
-    chosen = {
-        "stitch": ("stitch", build("stitch", learned)),
-        "stitch_dataless": (
-            label_of("stitch_dataless", {"density": dataless_density}),
-            build("stitch_dataless", full, density=dataless_density),
-        ),
-        **chosen,
+    full = functools.partial(build, kind="full")
+    seed = {"seed": args.seed}
+    lambdas, densities, w = list(args.lambdas), list(args.densities), args.max_widen
+    tuned = {
+        "stitch_dataless": tune(evaluate, full, "stitch_dataless", {"density": args.dataless_densities}, {}, names, w),
+        "task_arithmetic": tune(evaluate, full, "task_arithmetic", {"weights": lambdas}, {}, names, w),
+        "ties": tune(evaluate, full, "ties", {"weights": lambdas, "density": densities}, {}, names, w),
+        "dare_ties": tune(evaluate, full, "dare_ties", {"weights": lambdas, "density": densities}, seed, names, w),
+        "dare_linear": tune(evaluate, full, "dare_linear", {"weights": lambdas, "density": densities}, seed, names, w),
     }
-    test = {rule: {"label": label, **evaluate(label, "test", make)} for rule, (label, make) in chosen.items()}
+    consensus = {"consensus_k": args.consensus_k}
+    tuned["consensus_ta"] = tune(evaluate, full, "consensus_ta", {"weights": lambdas, "tall_lambda": args.tall_lambdas},
+                                 consensus, names, w)  # fmt: skip
+    ties_density = {"density": tuned["ties"]["options"]["density"], **consensus}  # TIES's own trim, then the grid
+    grid = {"weights": lambdas, "tall_lambda": args.tall_lambdas}
+    tuned["consensus_ties"] = tune(evaluate, full, "consensus_ties", grid, ties_density, names, w)
+    test = {}
+    for kind in REGION_KINDS:
+        test[f"stitch_{kind}"] = {
+            "label": f"stitch ({kind})",
+            **evaluate(f"stitch {kind}", "test", build("stitch", kind)),
+        }
+    for rule, chosen in tuned.items():
+        test[rule] = {"label": chosen["label"], **evaluate(chosen["label"], "test", full(rule, **chosen["options"]))}
+    best = max(tuned, key=lambda rule: tuned[rule]["dev"])  # the best merge on dev, for the serving comparison
     return {
-        "grid_dev": grid_scores,
+        "tuned": tuned,
+        "grid_dev": {k.removesuffix(" | dev"): v for k, v in evaluate.cache.items() if k.endswith(" | dev")},
         "test": test,
-        "num_params": num_params,
-        "moved_entries": union.num_entries,
-        "dataless_density": dataless_density,
-        "interference": interference(run, tasks, model, pre, evaluate),
+        "num_params": sum(p.numel() for p in pre.parameters()),
+        "moved_entries": union(model, sources["full"].values()).num_entries,
+        "regions": region_view(model, sources, names),
+        "interference": interference(evaluate, model, sources["ls"], names),
+        "serving": serving(
+            run, args, tasks, model, heads, evaluate, sources, full(best, **tuned[best]["options"]), best
+        ),
     }
 
 
-def mean_accuracy(scores: dict, tasks) -> float:
-    return sum(scores[name]["accuracy"] for name in tasks) / len(tasks)
+def union(model: PeftModel, adapters) -> Region:
+    out = Region()
+    for adapter in adapters:
+        out = out | model.base_model.get_region(adapter)
+    return out
 
 
-def interference(run: Runner, tasks: dict[str, Task], model: PeftModel, pre, evaluate: Evaluator) -> dict:
-    """Where the learned regions overlap, and each task's test accuracy with and without the overlapping entries:
-    its own graft, and the stitched model (relative gain, Eq. 5: the share of fine-tuning's gain over theta_pre with
-    the task's head that it keeps)."""
-    regions = {name: model.base_model.get_region(f"{name}_learned") for name in tasks}
-    names = list(regions)
+def region_view(model: PeftModel, sources: dict, names: list[str]) -> dict:
+    """Per region kind: sizes, pairwise overlap |g_i & g_j| / |g_j|, entries in two regions or more, and where those
+    lie (by tensor kind, layer numbers dropped)."""
+    out = {}
+    for kind in REGION_KINDS:
+        regions = {n: model.base_model.get_region(sources[kind][n]) for n in names}
+        shared = Region()
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                shared = shared | (regions[first] & regions[second])
+        by_tensor = {}
+        for tensor, indices in shared.items():
+            kind_of_tensor = re.sub(r"\.\d+\.", ".N.", tensor)
+            by_tensor[kind_of_tensor] = by_tensor.get(kind_of_tensor, 0) + len(indices)
+        out[kind] = {"entries": {n: r.num_entries for n, r in regions.items()}, "overlap_matrix":
+                     overlap_matrix(regions).tolist(), "shared_entries": shared.num_entries,
+                     "shared_by_tensor": dict(sorted(by_tensor.items(), key=lambda kv: -kv[1]))}  # fmt: skip
+    return out
+
+
+def interference(evaluate: Evaluator, model: PeftModel, ls: dict[str, str], names: list[str]) -> dict:
+    """Test accuracy of each task's own L&S graft and of the stitched L&S model, with and without the entries two
+    regions or more share."""
     overlap = Region()
     for i, first in enumerate(names):
         for second in names[i + 1 :]:
-            overlap = overlap | (regions[first] & regions[second])
-    learned = {name: f"{name}_learned" for name in tasks}
-    accuracy = {}
+            overlap = overlap | (model.base_model.get_region(ls[first]) & model.base_model.get_region(ls[second]))
+    out = {"overlap_entries": overlap.num_entries}
     for row in ("own graft", "own graft without overlap", "stitched", "stitched without overlap"):
         exclude = overlap if "without" in row else None
-        accuracy[row] = {}
-        for name in tasks:
-            own = row.startswith("own")
-            sources = {name: learned[name]} if own else learned
-            label = f"interference: {row}" + (f" ({name})" if own else "")
+        if exclude is not None and not overlap.num_entries:
+            continue  # nothing to drop: the same as the row above
+        out[row] = {}
+        for name in names:
+            sources = {name: ls[name]} if row.startswith("own") else ls
+            label = f"interference: {row}" + (f" ({name})" if row.startswith("own") else "")
             scores = evaluate(label, "test", functools.partial(merge_grafts, model, sources, "stitch", exclude=exclude))
-            accuracy[row][name] = scores[name]["accuracy"]
-    pretrained = {}
-    for name, task in tasks.items():  # theta_pre with the task's own head
-        body = copy.deepcopy(pre)
-        body.classifier.load_state_dict(model.base_model.model.classifier.modules_to_save[learned[name]].state_dict())
-        pretrained[name] = run.score(body, task)["accuracy"]
-    full = json.loads((run.work / "merge_individual.json").read_text())
-    fine_tuned = {name: full[name]["fine-tuned"]["accuracy"] for name in tasks}
-    gains = {  # Eq. 5 is undefined where fine-tuning gained nothing over theta_pre with the head
-        row: {n: relative_gain(acc[n], pretrained[n], fine_tuned[n], n) if fine_tuned[n] != pretrained[n] else None
-              for n in tasks}
-        for row, acc in accuracy.items()
-    }  # fmt: skip
-    return {
-        "overlap_matrix": overlap_matrix(regions).tolist(),
-        "tasks": names,
-        "overlap_entries": overlap.num_entries,
-        "region_entries": {name: region.num_entries for name, region in regions.items()},
-        "accuracy": accuracy,
-        "pretrained_with_head": pretrained,
-        "relative_gain": gains,
-    }
+            out[row][name] = scores[name]
+    return out
 
 
+# ------------------------------------------------------------------------------------------ serving
+def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, evaluate, sources, build_best, best):
+    """Each task's graft served in mixed batches (one graft per example, its head's logits only): accuracy, ECE,
+    storage; and the forward cost of a mixed batch and of the best merged model, each a median of paired ratios against
+    the base model's forward on the same batch, alternating in one process."""
+    names = list(tasks)
+    out = {}
+    for kind in ("full", "ls"):
+        cached = evaluate.cache.get(f"served {kind} | test")
+        if cached is None:
+            cached = serve_mixed(run, tasks, model, heads, {n: sources[kind][n] for n in names})
+            cached["entries"] = sum(model.base_model.get_region(a).num_entries for a in sources[kind].values())
+            cached["bytes"] = sum(MergedGraft(model, a, "served", {}).nbytes["body"] for a in sources[kind].values())
+            evaluate.store(f"served {kind} | test", cached)
+        out[kind] = cached
+    cached = evaluate.cache.get("forward cost")
+    if cached is None:
+        cached = forward_cost(run, tasks, model, heads, sources["full"], build_best, run.settings["timing_repeats"])
+        cached["merged_rule"] = best
+        evaluate.store("forward cost", cached)
+    out["forward_cost"] = cached
+    return out
+
+
+def mixed_order(tasks: dict[str, Task]) -> list[tuple[str, int]]:
+    """Every test example of every task, the tasks interleaved (round robin)."""
+    longest = max(len(task.test) for task in tasks.values())
+    return [(n, i) for i in range(longest) for n, task in tasks.items() if i < len(task.test)]
+
+
+def mixed_batches(run: Runner, tasks, order, adapters: dict[str, str], size: int = 32):
+    for start in range(0, len(order), size):
+        part = order[start : start + size]
+        batch = run.collator([tasks[n].test[i] for n, i in part])
+        batch.pop("labels")
+        yield part, batch, [adapters[n] for n, _ in part]
+
+
+def serve_mixed(run: Runner, tasks: dict[str, Task], model: PeftModel, heads, adapters: dict[str, str]) -> dict:
+    names = list(tasks)
+    slices, offset = {}, 0
+    for name in names:
+        slices[name] = slice(offset, offset + tasks[name].num_labels)
+        offset += tasks[name].num_labels
+    set_head(model, torch.cat([heads[n] for n in names]))  # every task's head side by side; each row reads its own
+    logits = {n: [None] * len(tasks[n].test) for n in names}
+    model.eval()
+    with torch.no_grad():
+        for part, batch, adapter_names in mixed_batches(run, tasks, mixed_order(tasks), adapters):
+            out = model(**batch, adapter_names=adapter_names).logits
+            for row, (name, i) in enumerate(part):
+                logits[name][i] = out[row, slices[name]].numpy()
+    scores = {}
+    for name in names:
+        values, labels = np.stack(logits[name]), np.asarray(tasks[name].test["labels"])
+        report = calibration_report(values, labels, input_type="logits", metrics=["accuracy", "ece"])
+        predicted = np.bincount(values.argmax(-1), minlength=tasks[name].num_labels).tolist()
+        scores[name] = {"accuracy": 100 * report["accuracy"], "ece": 100 * report["ece"], "predicted": predicted}
+    return scores
+
+
+def forward_cost(run: Runner, tasks, model: PeftModel, heads, adapters: dict[str, str], build_best, repeats: int):
+    """Median (and quartiles) over ``repeats`` rounds of time(x) / time(base) on one mixed batch of 32 test examples:
+    x = the grafts served mixed (``adapter_names``), and the best merged body active (unmerged)."""
+    _, batch, adapter_names = next(mixed_batches(run, tasks, mixed_order(tasks), adapters))
+    merged = build_best()
+    set_head(model, torch.cat([heads[n] for n in tasks]))
+    timings = {"base": [], "served": [], "merged": []}
+
+    def timed(kind: str) -> None:
+        start = time.perf_counter()
+        if kind == "base":
+            with model.disable_adapter():
+                model(**batch)
+        elif kind == "served":
+            model(**batch, adapter_names=adapter_names)
+        else:
+            model.set_adapter(merged.adapter_name)
+            model(**batch)
+        timings[kind].append(time.perf_counter() - start)
+
+    with torch.no_grad():
+        for kind in ("base", "served", "merged"):  # warm-up
+            timed(kind)
+        timings = {kind: [] for kind in timings}
+        for _ in range(repeats):
+            for kind in ("base", "served", "base", "merged"):
+                timed(kind)
+    model.delete_adapter(merged.adapter_name)
+    base = timings["base"]
+    out = {"batch": len(adapter_names), "base_ms": 1e3 * statistics.median(base), "load": list(os.getloadavg())}
+    for kind in ("served", "merged"):
+        ratios = [t / b for t, b in zip(timings[kind], base[0::2] if kind == "served" else base[1::2], strict=True)]
+        out[kind] = {"median": statistics.median(ratios), "quartiles": np.quantile(ratios, [0.25, 0.75]).tolist()}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(MergeArguments).parse_args_into_dataclasses(args=argv)
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        level=logging.INFO,
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO,
+                        handlers=[logging.StreamHandler(sys.stdout)])  # fmt: skip
     start = time.perf_counter()
-    ensure_assets(ASSETS)
-    settings = dict(SMOKE if args.smoke else DEFAULT)
-    for name in ("ft_steps", "mask_steps", "dev_size"):
+    ensure_assets({**ASSETS, **TWEETS_ASSETS})
+    settings = dict(SMOKE if args.smoke else FULL)
+    for name in ("ft_steps", "train_size"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     if args.threads:
         torch.set_num_threads(args.threads)
     work, report_dir = Path(args.work_dir), Path(args.report_dir)
+    work.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_name_or_path or minilm_dir()
     tokenizer = U.load_tokenizer(model_dir, "classification")
-    tasks = load_tasks(work, settings, args.seed, tokenizer)
-    tasks = {name: dataclasses.replace(task, offset=0) for name, task in tasks.items()}  # one head shape
+    tasks = load_tasks(args.tasks, work, settings, args.seed, tokenizer)
     run = Runner(model_dir, tokenizer, settings, work, args.seed)
-    pre = run.pretrained(max(task.num_labels for task in tasks.values()))
-    num_entries = max(1, round(args.fraction * sum(p.numel() for p in pre.parameters())))
-    results = {"settings": settings, "fraction": args.fraction, "num_entries": num_entries, "seed": args.seed}
-    results["individual"] = task_grafts(run, tasks, pre, num_entries)
+    torch.manual_seed(args.seed)
+    pre = pretrained(model_dir, args.logit_scale)
+    heads = {n: task_head(pre, tokenizer, [DESCRIPTIONS[n][c] for c in task.labels]) for n, task in tasks.items()}
+    results = {"settings": settings, "args": {k: v for k, v in vars(args).items()}, "individual": {}, "zero_shot": {}}
+    for name, task in tasks.items():  # theta_pre with each task's frozen head
+        set_head(pre, heads[name])
+        results["zero_shot"][name] = run.score(pre, task)
+    exclude = Region()  # the earlier tasks' disjoint regions
+    for name, task in tasks.items():
+        results["individual"][name] = prepare_task(run, args, name, task, pre, heads, exclude)
+        exclude = exclude | Region.from_pretrained(work / "tasks" / name / "disjoint", pre)
     results["minutes_prepare"] = (time.perf_counter() - start) / 60
-    if args.prepare_only:
-        return results
-    report_dir.mkdir(parents=True, exist_ok=True)
-    (work / "merge_individual.json").write_text(json.dumps(results["individual"]))
-    key = json.dumps({**settings, "seed": args.seed, "num_entries": num_entries}, sort_keys=True)
-    results["merge"] = merge_all(args, run, tasks, pre, key)
+    results["merge"] = merge_all(args, run, tasks, pre, heads, run_key(run, args))
     results["minutes"] = (time.perf_counter() - start) / 60
+    report_dir.mkdir(parents=True, exist_ok=True)
     summary = summary_markdown(results, list(tasks))
-    (report_dir / "summary.md").write_text(summary)
-    (report_dir / "results.json").write_text(json.dumps(results, indent=2))
+    atomic_write(report_dir / "summary.md", summary)
+    atomic_write(report_dir / "results.json", json.dumps(results, indent=2))
     save_figures(results, report_dir)
     print(summary)
     return results
 
 
 PRETTY = {
-    "stitch": "stitch (learned regions, L&S)",
+    "stitch_ls": "stitch, L&S regions",
+    "stitch_disjoint": "stitch, disjoint L&S regions",
+    "stitch_learned": "stitch, MaskTrainer regions",
     "stitch_dataless": "stitch_dataless (top-k |tau|)",
     "task_arithmetic": "task arithmetic",
     "ties": "TIES",
     "dare_ties": "DARE-TIES",
     "dare_linear": "DARE-linear",
+    "consensus_ta": "Consensus TA",
+    "consensus_ties": "Consensus TIES",
 }
+
+
+def normalized_accuracy(row: dict, individual: dict, names: list[str]) -> float:
+    return sum(row[n]["accuracy"] / individual[n]["finetune"]["test"]["accuracy"] for n in names) / len(names)
+
+
+def cells(row: dict, names: list[str]) -> str:
+    return " | ".join(f"{row[n]['accuracy']:.1f} / {row[n]['ece']:.1f}" for n in names)
 
 
 def summary_markdown(results: dict, names: list[str]) -> str:
     merge, individual = results["merge"], results["individual"]
-    header = "| method | setting (dev-chosen) | " + " | ".join(f"{n} acc / ECE" for n in names)
+    params = merge["num_params"]
     lines = [
-        "## Merged models, test accuracy % / ECE % with each task's head",
+        "## Test accuracy % / ECE % per task (each task's frozen head)",
         "",
-        header + " | avg normalized acc | entries changed (% of params) | storage |",
+        "| model | setting (dev-chosen) | " + " | ".join(names) + " | avg normalized acc | entries changed (% of "
+        "params) | storage |",
         "|---" * (len(names) + 5) + "|",
     ]
-    fts = [individual[n]["fine-tuned"] for n in names]
-    cells = " | ".join(f"{s['accuracy']:.1f} / {s['ece']:.1f}" for s in fts)
+    fine_tunes = {n: individual[n]["finetune"]["test"] for n in names}
     moved = merge["moved_entries"]
-    lines.append(
-        f"| individual fine-tunes (3 models) | - | {cells} | 1.000 | {moved:,} each "
-        f"({100 * moved / merge['num_params']:.1f}%) | 3 full models |"
-    )
+    lines.append(f"| pre-trained body (zero-shot heads) | - | {cells(results['zero_shot'], names)} | "
+                 f"{normalized_accuracy(results['zero_shot'], individual, names):.3f} | 0 | - |")  # fmt: skip
+    lines.append(f"| individual fine-tunes ({len(names)} models) | - | {cells(fine_tunes, names)} | 1.000 | "
+                 f"{moved:,} in all ({100 * moved / params:.1f}%) | {len(names)} models |")  # fmt: skip
+    for kind, title in (("full", "served: each task's full graft, mixed batches"),
+                        ("ls", "served: each task's L&S graft, mixed batches")):  # fmt: skip
+        row = merge["serving"][kind]
+        lines.append(f"| {title} | - | {cells(row, names)} | {normalized_accuracy(row, individual, names):.3f} | "
+                     f"{row['entries']:,} in all ({100 * row['entries'] / params:.2f}%) | "
+                     f"{row['bytes'] / 2**20:.1f} MiB |")  # fmt: skip
     for rule, row in merge["test"].items():
-        cells = " | ".join(f"{row[n]['accuracy']:.1f} / {row[n]['ece']:.1f}" for n in names)
-        normalized = normalized_accuracy(row, individual, names)
-        setting = row["label"].removeprefix(rule).strip() or "-"
-        lines.append(
-            f"| {PRETTY[rule]} | {setting} | {cells} | {normalized:.3f} | {row['entries']:,} "
-            f"({100 * row['entries'] / merge['num_params']:.2f}%) | {row['bytes'] / 2**20:.1f} MiB |"
-        )
+        setting = row["label"].removeprefix(rule).strip() if rule in merge["tuned"] else "-"
+        edge = merge["tuned"].get(rule, {}).get("edges")
+        setting += f" (at the grid's edge: {', '.join(edge)})" if edge else ""
+        lines.append(f"| {PRETTY[rule]} | {setting or '-'} | {cells(row, names)} | "
+                     f"{normalized_accuracy(row, individual, names):.3f} | {row['entries']:,} "
+                     f"({100 * row['entries'] / params:.2f}%) | {row['bytes'] / 2**20:.1f} MiB |")  # fmt: skip
+    cost = merge["serving"]["forward_cost"]
     lines += [
         "",
-        "Dev grid of the global methods (mean dev accuracy %, each task's head):",
+        f"Forward cost of one mixed batch of {cost['batch']} test examples against the base model's forward on it "
+        f"(base {cost['base_ms']:.1f} ms; median of paired ratios, quartiles; load {cost['load'][0]:.1f}): every "
+        f"task's full graft served mixed {cost['served']['median']:.3f}x ({cost['served']['quartiles'][0]:.3f}-"
+        f"{cost['served']['quartiles'][1]:.3f}), the best merged body on dev ({cost['merged_rule']}, unmerged) "
+        f"{cost['merged']['median']:.3f}x ({cost['merged']['quartiles'][0]:.3f}-{cost['merged']['quartiles'][1]:.3f}).",
         "",
-        "| rule | setting | mean dev acc | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 3) + "|",
+        "## Per task: the fine-tune and its regions (test accuracy %)",
+        "",
+        "| task | fine-tune | L&S region (entries) | disjoint L&S region (entries) | MaskTrainer region (entries) |",
+        "|---|---|---|---|---|",
     ]
-    for label, scores in merge["grid_dev"].items():
-        rule, _, setting = label.partition(" ")
-        per_task = " | ".join(f"{scores[n]['accuracy']:.1f}" for n in names)
-        lines.append(f"| {rule} | {setting} | {mean_accuracy(scores, names):.1f} | {per_task} |")
+    for n in names:
+        one = individual[n]
+        lines.append(f"| {n} | {one['finetune']['test']['accuracy']:.1f} | "
+                     + " | ".join(f"{one[k]['test']['accuracy']:.1f} ({one[k]['entries']:,})" for k in REGION_KINDS)
+                     + " |")  # fmt: skip
+    lines += ["", "## Regions: overlap |g_i & g_j| / |g_j| and where the shared entries lie", ""]
+    for kind, view in merge["regions"].items():
+        lines.append(f"**{kind}**: {view['shared_entries']:,} entries lie in two regions or more; top tensors: "
+                     + ", ".join(f"{t} {c:,}" for t, c in list(view["shared_by_tensor"].items())[:4]))  # fmt: skip
+        lines += ["", "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += [f"| {n} | " + " | ".join(f"{v:.3f}" for v in row) + " |"
+                  for n, row in zip(names, view["overlap_matrix"], strict=True)]  # fmt: skip
+        lines.append("")
     view = merge["interference"]
-    lines += [
-        "",
-        "## Interference of the stitched model",
-        "",
-        "Learned regions: "
-        + ", ".join(f"{n} {k:,}" for n, k in view["region_entries"].items())
-        + f" entries; {view['overlap_entries']:,} entries lie in two regions or more. "
-        "Overlap |g_i & g_j| / |g_j|:",
-        "",
-        "| | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
-    ]
-    lines += [
-        f"| {row} | " + " | ".join(f"{v:.3f}" for v in values) + " |"
-        for row, values in zip(view["tasks"], view["overlap_matrix"], strict=True)
-    ]
-    lines += [
-        "",
-        "Test accuracy % (relative gain, Eq. 5, over theta_pre with the task's head: "
-        + ", ".join(f"{n} {view['pretrained_with_head'][n]:.1f}" for n in names)
-        + "):",
-        "",
-        "| model | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
-    ]
-    for row, accuracy in view["accuracy"].items():
-        gains = view["relative_gain"][row]
-        cells = [f"{accuracy[n]:.1f}" + (f" ({gains[n]:.2f})" if gains[n] is not None else "") for n in names]
-        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    lines += ["## Interference of the stitched L&S regions (test accuracy %)", "",
+              "| model | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]  # fmt: skip
+    for row, scores in view.items():
+        if isinstance(scores, dict):
+            lines.append(f"| {row} | " + " | ".join(f"{scores[n]['accuracy']:.1f}" for n in names) + " |")
+    lines += ["", "## Predicted classes on test (counts per class, in class order)", "",
+              "| model | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]  # fmt: skip
+    for rule, row in merge["test"].items():
+        lines.append(f"| {PRETTY[rule]} | " + " | ".join(str(row[n]["predicted"]) for n in names) + " |")
+    lines += ["", "## Dev grid (mean dev accuracy %)", "", "| setting | mean | " + " | ".join(names) + " |",
+              "|---" * (len(names) + 2) + "|"]  # fmt: skip
+    for label, scores in merge["grid_dev"].items():
+        per_task = " | ".join(f"{scores[n]['accuracy']:.1f}" for n in names)
+        lines.append(f"| {label} | {mean_accuracy(scores, names):.1f} | {per_task} |")
     lines.append("")
     return "\n".join(lines)
 
 
-def normalized_accuracy(row: dict, individual: dict, names: list[str]) -> float:
-    return sum(row[n]["accuracy"] / individual[n]["fine-tuned"]["accuracy"] for n in names) / len(names)
-
-
 def save_figures(results: dict, report_dir: Path) -> None:
-    """Normalized accuracy vs fraction of parameters changed (one point per rule), and the regions' overlap."""
+    """Normalized accuracy against entries changed (one point per row), and the regions' overlap."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     from peft_graft.calibration.plots import _new_figure
 
     merge, names = results["merge"], list(results["individual"])
-    figure = _new_figure((640, 420), 100)
+    figure = _new_figure((680, 440), 100)
     ax = figure.add_subplot()
-    markers = iter("oPsD^vX*")
-    for rule, row in merge["test"].items():
-        x = 100 * row["entries"] / merge["num_params"]
+    markers = iter("oPsD^vX*<>ph")
+    rows = {**{PRETTY[r]: row for r, row in merge["test"].items()},
+            "served full grafts": merge["serving"]["full"], "served L&S grafts": merge["serving"]["ls"]}  # fmt: skip
+    for title, row in rows.items():
+        x = max(100 * row["entries"] / merge["num_params"], 1e-4)
         y = normalized_accuracy(row, results["individual"], names)
-        ax.scatter([x], [y], s=45, marker=next(markers), label=PRETTY[rule].split(" (")[0], alpha=0.85)
+        ax.scatter([x], [y], s=45, marker=next(markers), label=title.split(" (")[0], alpha=0.85)
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 1, 10, not 10^0, 10^1
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.legend(fontsize="small", loc="best")
-    ax.set_xlabel("parameters changed by the merged body (% of all, log scale)")
-    ax.set_ylabel("average normalized accuracy (merged / fine-tuned)")
-    ax.set_title("Merging MR, TREC, SMS fine-tunes of MiniLM", fontsize="medium")
+    ax.legend(fontsize="x-small", loc="best")
+    ax.set_xlabel("parameters changed (% of all, log scale)")
+    ax.set_ylabel("average normalized accuracy (/ fine-tuned)")
+    ax.set_title("Merging " + ", ".join(names) + " fine-tunes of MiniLM", fontsize="medium")
     ax.grid(alpha=0.3)
     save_figure(figure, report_dir / "merge_accuracy_vs_size.png")
-    view = merge["interference"]
-    heatmap = plot_region_matrix(view["overlap_matrix"], view["tasks"], view["tasks"], "Overlap |g_i & g_j| / |g_j|")
-    save_figure(heatmap, report_dir / "merge_overlap.png")
+    for kind, view in merge["regions"].items():
+        figure = plot_region_matrix(view["overlap_matrix"], names, names, f"Overlap of the {kind} regions")
+        save_figure(figure, report_dir / f"merge_overlap_{kind}.png")
 
 
 if __name__ == "__main__":

@@ -118,11 +118,15 @@ class Runner:
                                     input_type="logits", metrics=["accuracy", "ece"])  # fmt: skip
         return {"accuracy": 100 * report["accuracy"], "ece": 100 * report["ece"]}
 
-    def learn_region(self, pre, finetuned, task: Task, num_entries: int, empty_start: bool) -> torch.nn.Module:
-        """``MaskTrainer`` on ``task``: from top-k movement selected on the dev set, or from ``gamma_base = 0``."""
+    def learn_region(
+        self, pre, finetuned, task: Task, num_entries: int, empty_start: bool, modules_to_save=("classifier",)
+    ) -> torch.nn.Module:
+        """``MaskTrainer`` on ``task``: from top-k movement selected on the dev set, or from ``gamma_base = 0``; the
+        head (``modules_to_save``) stored whole, or none (a frozen head, outside the graft)."""
         s = self.settings
         config = GraftConfig(finetuned=finetuned, num_entries=num_entries, learn_region=True,
-                             region="empty" if empty_start else "movement", modules_to_save=["classifier"])  # fmt: skip
+                             region="empty" if empty_start else "movement",
+                             modules_to_save=list(modules_to_save) or None)  # fmt: skip
         graft = get_peft_model(copy.deepcopy(pre), config)
         selection = {} if empty_start else dict(eval_strategy="steps", eval_steps=max(1, s["mask_steps"] // 4),
                                                 metric_for_best_model="accuracy")  # fmt: skip

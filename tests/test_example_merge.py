@@ -1,6 +1,7 @@
-"""run_merge.py end to end on a tiny random BERT and the packaged tasks (a few steps): every rule is merged and scored
-with each task's head, the global methods' grid is scored on dev only, the interference view and the figures are
-written, and a second run reuses every cached result."""
+"""run_merge.py: the fair design (a frozen head of its own per task, losses over its own classes only, no head-like
+module in any graft or merge) and the whole run end to end on a tiny random BERT and the packaged tasks (``--smoke``):
+every rule tuned on dev only with its grid widened off an edge, the serving rows, the report, and a rerun that reuses
+every saved result."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_examples import assets  # noqa: F401  (a fixture)
 from transformers import AutoTokenizer, BertModel
 
@@ -18,32 +20,101 @@ sys.path.insert(0, str(EXAMPLES))
 
 import run_merge  # noqa: E402
 
+RULES = ("stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties")
 
-def test_run_merge_fills_the_table_and_the_interference_view(assets, tmp_path):  # noqa: F811
-    encoder = tmp_path / "encoder"  # a BERT body without a head, as all-MiniLM-L6-v2 is shipped
-    BertModel.from_pretrained(assets["cls"]).save_pretrained(encoder)
-    AutoTokenizer.from_pretrained(assets["cls"]).save_pretrained(encoder)
-    argv = ["--model_name_or_path", str(encoder), "--smoke", "--lambdas", "0.5", "1.0", "--densities", "0.5",
-            "--work_dir", str(tmp_path / "work"), "--report_dir", str(tmp_path / "report")]  # fmt: skip
-    results = run_merge.main(argv)
+
+@pytest.fixture(scope="module")
+def encoder(assets, tmp_path_factory):  # noqa: F811
+    """A BERT body without a head, as all-MiniLM-L6-v2 is shipped."""
+    folder = tmp_path_factory.mktemp("encoder")
+    BertModel.from_pretrained(assets["cls"]).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(assets["cls"]).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def smoke(encoder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("merge")
+    argv = ["--model_name_or_path", encoder, "--smoke", "--lambdas", "0.5", "1.0", "--densities", "0.5",
+            "--tall_lambdas", "0.4", "--dataless_densities", "0.1", "0.5", "--max_widen", "1", "--ls_sparsity", "0.05",
+            "--work_dir", str(root / "work"), "--report_dir", str(root / "report")]  # fmt: skip
+    return argv, root, run_merge.main(argv)
+
+
+def test_each_task_has_its_own_frozen_head_and_a_loss_over_its_own_classes(encoder):
+    tokenizer = AutoTokenizer.from_pretrained(encoder)
+    pre = run_merge.pretrained(encoder, scale=20.0)
+    assert not hasattr(pre.body, "pooler") or pre.body.pooler is None  # mean-pooled: no pooler to merge
+    heads = {n: run_merge.task_head(pre, tokenizer, list(run_merge.DESCRIPTIONS[n].values())) for n in run_merge.TASKS}
+    assert {n: h.shape[0] for n, h in heads.items()} == {"mr": 2, "trec": 6, "sms": 2, "tweets": 3}
+    assert all(torch.allclose(h.norm(dim=-1), torch.ones(len(h))) for h in heads.values())
+    assert not torch.equal(heads["mr"], heads["sms"])  # independent: each from its own class descriptions
+    assert not any(p.requires_grad for p in pre.body.embeddings.parameters())
+    assert "head" not in dict(pre.named_parameters()) and "head" not in pre.state_dict()  # never trained or grafted
+    batch = tokenizer(["what is the capital of france", "a fine film"], padding=True, return_tensors="pt")
+    run_merge.set_head(pre, heads["trec"])
+    out = pre(**batch, labels=torch.tensor([4, 1]))
+    assert out.logits.shape == (2, 6)
+    expected = torch.nn.functional.cross_entropy(out.logits, torch.tensor([4, 1]))
+    assert torch.allclose(out.loss, expected)
+    run_merge.set_head(pre, heads["mr"])
+    assert pre(**batch).logits.shape == (2, 2)  # a two-class task sees two logits, no other task's
+
+
+def test_no_head_like_module_is_in_any_graft_or_merge(smoke):
+    argv, root, results = smoke
+    from peft_graft import Region
+
+    pre = run_merge.pretrained(argv[1], scale=20.0)
+    for task in run_merge.TASKS:
+        for kind in ("full", *run_merge.REGION_KINDS):
+            region = Region.from_pretrained(root / "work" / "tasks" / task / kind, pre)
+            assert region.num_entries > 0
+            assert all(".encoder.layer." in name for name in region), (task, kind)  # no pooler, head or embeddings
+    for view in results["merge"]["regions"].values():
+        assert not any("pooler" in t or "classifier" in t or "head" in t for t in view["shared_by_tensor"])
+
+
+def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
+    argv, root, results = smoke
     merge = results["merge"]
-    assert list(merge["test"]) == ["stitch", "stitch_dataless", *run_merge.GLOBAL_RULES]
-    assert len(merge["grid_dev"]) == 2 + 3 * 2  # lambda for task arithmetic, lambda x density for the others
-    scores = json.loads((tmp_path / "work" / "merge_scores.json").read_text())["scores"]
-    grid_labels = {label.rsplit(" | ", 1)[0] for label in scores if label.endswith("| dev")}
-    assert grid_labels == set(merge["grid_dev"])  # the grid never touched test
-    for rule, row in merge["test"].items():
-        assert row["label"] in merge["grid_dev"] or rule.startswith("stitch")
-        assert all(0.0 <= row[task]["accuracy"] <= 100.0 for task in ("mr", "trec", "sms"))
-        assert 0 < row["entries"] <= merge["moved_entries"] and row["bytes"] > 8 * row["entries"]
-    stitched = merge["test"]["stitch"]["entries"]
-    assert stitched <= sum(merge["interference"]["region_entries"].values())
-    view = merge["interference"]
-    assert set(view["accuracy"]) == {"own graft", "own graft without overlap", "stitched", "stitched without overlap"}
-    assert [row[i] for i, row in enumerate(view["overlap_matrix"])] == [1.0, 1.0, 1.0]
-    for name in ("summary.md", "results.json", "merge_accuracy_vs_size.png", "merge_overlap.png"):
-        assert (tmp_path / "report" / name).is_file()
-    summary = (tmp_path / "report" / "summary.md").read_text()
-    assert "avg normalized acc" in summary and "Interference of the stitched model" in summary
-    again = run_merge.main(argv)  # everything cached: the same numbers
-    assert again["merge"]["test"] == merge["test"]
+    assert list(merge["test"]) == ["stitch_ls", "stitch_disjoint", "stitch_learned", *RULES]
+    assert set(merge["tuned"]) == set(RULES)
+    scores = json.loads((root / "work" / "merge_scores.json").read_text())["scores"]
+    dev_labels = {label.removesuffix(" | dev") for label in scores if label.endswith(" | dev")}
+    assert dev_labels == set(merge["grid_dev"])  # the grids never touched test
+    for rule, chosen in merge["tuned"].items():
+        assert chosen["label"] in merge["grid_dev"] and merge["test"][rule]["label"] == chosen["label"]
+        best = max(
+            (label for label in merge["grid_dev"] if label.split(" ")[0] == rule),
+            key=lambda label: run_merge.mean_accuracy(merge["grid_dev"][label], run_merge.TASKS),
+        )
+        assert run_merge.mean_accuracy(merge["grid_dev"][best], run_merge.TASKS) == chosen["dev"]
+        for axis, values in chosen["axes"].items():  # widened once, off the edge its winner was on, or not at all
+            dataless = rule == "stitch_dataless"
+            given = {"weights": [0.5, 1.0], "density": [0.1, 0.5] if dataless else [0.5], "tall_lambda": [0.4]}[axis]
+            assert set(given) <= set(values) and len(values) <= len(given) + 1
+            if axis in chosen["edges"]:
+                assert chosen["options"][axis] in (min(values), max(values))
+    for row in merge["test"].values():
+        assert all(0.0 <= row[t]["accuracy"] <= 100.0 and row[t]["ece"] >= 0 for t in run_merge.TASKS)
+        assert sum(row["trec"]["predicted"]) == 24 and len(row["trec"]["predicted"]) == 6
+    disjoint = merge["regions"]["disjoint"]
+    assert disjoint["shared_entries"] == 0  # regions that do not collide
+    assert all(disjoint["overlap_matrix"][i][j] == (1.0 if i == j else 0.0) for i in range(4) for j in range(4))
+    served = merge["serving"]
+    for task in run_merge.TASKS:  # the exact grafts served mixed are the fine-tunes
+        assert served["full"][task]["accuracy"] == results["individual"][task]["finetune"]["test"]["accuracy"]
+        assert served["full"][task]["ece"] == pytest.approx(
+            results["individual"][task]["finetune"]["test"]["ece"], abs=1e-3
+        )
+        assert served["ls"][task]["accuracy"] == results["individual"][task]["ls"]["test"]["accuracy"]
+    cost = served["forward_cost"]
+    assert cost["served"]["median"] > 0 and cost["merged"]["median"] > 0 and cost["merged_rule"] in RULES
+    for name in ("summary.md", "results.json", "merge_accuracy_vs_size.png", "merge_overlap_ls.png"):
+        assert (root / "report" / name).is_file()
+    summary = (root / "report" / "summary.md").read_text()
+    assert "avg normalized acc" in summary and "served: each task's full graft" in summary and "Dev grid" in summary
+    again = run_merge.main(argv)  # everything saved: the same numbers, nothing recomputed
+    assert again["merge"]["test"] == merge["test"] and again["individual"] == results["individual"]
+    assert again["merge"]["serving"] == served
