@@ -245,7 +245,7 @@ def shared(pre, folders):
         (lambda m, f: merge_grafts(m, ["a", "nope"], "stitch"), "could not load the graft 'nope'"),
         (lambda m, f: merge_grafts(m, {"a": "a", "x": f["other_base"]}, "stitch"), "'x'.*different base model"),
         (lambda m, f: merge_grafts(m, {"a": "a", "y": f["no_head"]}, "stitch"), "'y'.*lack tensor.*classifier"),
-        (lambda m, f: merge_grafts(m, {"a": "a", "h": f["head_grafted"]}, "stitch"), "'h'.*another architecture"),
+        (lambda m, f: merge_grafts(m, {"a": "a", "h": f["head_grafted"]}, "stitch"), "'h'.*stores 'classifier' whole"),
         (lambda m, f: merge_grafts(m, {"a": "a", "z": f["sparse", "c"]}, "ties", density=2.0), "needs density"),
         (lambda m, f: merge_grafts(m.base_model.model, ["a"], "stitch"), "PeftModel of the graft method"),
     ],

@@ -97,10 +97,21 @@ def _as_patterns(patterns: list[str] | str | None) -> list[re.Pattern]:
     return [re.compile(p) for p in ([patterns] if isinstance(patterns, str) else patterns)]
 
 
+def saved_whole_module(module: str, modules_to_save: list[str] | None) -> str | None:
+    """The module stored whole (``modules_to_save``) that is ``module`` or holds it, or ``None``. Resolved as peft
+    resolves the entries (``peft.utils.other._set_trainable``): peft wraps every module whose name ends with an entry
+    (``"pooler"`` wraps ``bert.pooler``), and everything inside a wrapped module is stored whole with it."""
+    parts = module.split(".")
+    for end in range(1, len(parts) + 1):
+        ancestor = ".".join(parts[:end])
+        if any(ancestor.endswith(entry) for entry in modules_to_save or ()):
+            return ancestor
+    return None
+
+
 def is_saved_whole(name: str, modules_to_save: list[str] | None) -> bool:
-    """Whether the tensor ``name`` belongs to a module in ``modules_to_save`` (peft's suffix matching)."""
-    module = name.rpartition(".")[0]
-    return any(module == m or module.endswith(f".{m}") or module.startswith(f"{m}.") for m in modules_to_save or ())
+    """Whether the tensor ``name`` belongs to a module stored whole (:func:`saved_whole_module`)."""
+    return saved_whole_module(name.rpartition(".")[0], modules_to_save) is not None
 
 
 def eligible_tensors(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import numbers
@@ -420,12 +421,62 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         return cached[2]
 
     def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
-        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...): a packed adapter that ``fn`` would change
-        (another device or dtype) is unpacked first, so that its tensors are converted as an unpacked adapter's."""
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...). The graft tensors (:data:`GRAFT_TENSORS`)
+        follow ``fn`` to its device but keep their dtype, as peft keeps some adapter weights in fp32: the values stay
+        the fp32 deltas that exactness and the saved format need, whatever the base layer is cast to. A packed adapter
+        that ``fn`` would change (another device or dtype) is unpacked first. Before the base layer is cast to another
+        dtype, the base check still due runs (the recorded checksum is of theta_pre in the dtype the graft was made
+        on), and each hard region stores exactly what it would otherwise no longer give (:meth:`_keep_exact`)."""
         for adapter_name, store in list(self.packed.items()):
             if _changed_by(fn, store):
                 self.unpack(adapter_name)
-        return super()._apply(fn, recurse)
+        if _casts_dtype(fn, self.base_layer):
+            for adapter_name in list(self.graft_values):
+                if not self.is_learning(adapter_name):
+                    self._check_base_before_cast(adapter_name)
+                    self._keep_exact(adapter_name, fn)
+        graft = {id(tensor) for name in GRAFT_TENSORS for tensor in getattr(self, name).values()}
+
+        def keep_graft_dtype(tensor: torch.Tensor) -> torch.Tensor:
+            out = fn(tensor)
+            return tensor.to(out.device) if id(tensor) in graft and out.dtype != tensor.dtype else out
+
+        return super()._apply(keep_graft_dtype, recurse)
+
+    def _check_base_before_cast(self, adapter_name: str) -> None:
+        """The base check of ``adapter_name`` if still due (a wrong base still raises, at first use)."""
+        if self.verify_base.get(adapter_name) and adapter_name not in self.awaiting_entries:
+            with contextlib.suppress(ValueError):  # left due: the first use raises it
+                self.check_base(adapter_name)
+
+    def _keep_exact(self, adapter_name: str, fn: Any) -> None:
+        """Before ``fn`` casts the base layer: the entries of ``adapter_name`` where the cast changes theta_pre (its
+        fp32 delta was made for theta_pre unrounded) join the entries stored exactly, with what the layer applies there
+        now (theta_ft, fp32). The cast layer then applies theta_ft rounded to the new dtype, as casting the grafted
+        model does; a cast back, a save or a load onto the original base gives theta_ft itself. Where the cast keeps
+        theta_pre (an fp32 base cast to fp64), the delta still gives theta_ft. A merged adapter is left as it is (its
+        merged values are cast as they are)."""
+        if adapter_name in self.merged_adapters:
+            return
+        positions, targets = [], []
+        for attr, local, position in self.space.split(self.graft_indices[adapter_name]):
+            entries = self._sparse_entries(adapter_name, attr)
+            current = read_entries(getattr(self.base_layer, attr), local)
+            changed = (fn(current).to(current.device) != current).nonzero().reshape(-1)
+            positions.append(changed + position.start)
+            targets.append(graft_entries(current, entries, True)[changed].float())
+        old_positions, old_targets = self.exact_entries(adapter_name)
+        new_positions = torch.cat(positions).cpu()
+        if not new_positions.numel():
+            return
+        new = ~torch.isin(new_positions, old_positions.to(torch.int64).cpu())
+        positions = torch.cat([old_positions.to(torch.int64).cpu(), new_positions[new]])
+        targets = torch.cat([old_targets.cpu(), torch.cat(targets).cpu()[new]])
+        order = positions.argsort()
+        device = self.graft_values[adapter_name].device
+        self.graft_exact_positions[adapter_name] = positions[order].to(device, self.space.index_dtype())
+        self.graft_exact_values[adapter_name] = targets[order].to(device)
+        self._forget(adapter_name)
 
     def _device(self) -> torch.device:
         param = next(self.base_layer.parameters(), None)
@@ -811,6 +862,16 @@ def _changed_by(fn: Any, store: PackedStore) -> bool:
         if fn(probe) is not probe:
             return True
     return False
+
+
+def _casts_dtype(fn: Any, module: nn.Module) -> bool:
+    """Whether ``fn`` (of ``nn.Module._apply``) casts the floating-point parameters of ``module`` to another dtype
+    (probed on an empty tensor of their dtype)."""
+    param = next((p for p in module.parameters() if p.is_floating_point() and not is_sharded(p)), None)
+    if param is None:
+        return False
+    probe = torch.empty(0, dtype=param.dtype, device=param.device)
+    return fn(probe).dtype != param.dtype
 
 
 PACKED_STATE = threading.local()

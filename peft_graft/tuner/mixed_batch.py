@@ -127,32 +127,35 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         with WRITE_LOCK, _suspended(tuner):
             yield
         return
-    names = check_adapter_names(tuner, adapter_names, _batch_size(args, kwargs))
-    num_beams = kwargs.get("num_beams")
-    decoder_names = names
-    if isinstance(num_beams, int) and num_beams > 1:  # generate repeats each input num_beams times, as in peft
-        decoder_names = [name for name in names for _ in range(num_beams)]
-    encoder = _encoder(tuner.model)
-    encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
-    with WRITE_LOCK, suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
-        batches = {id(names): MixedBatch(names), id(decoder_names): MixedBatch(decoder_names)}
-        layers, wrappers = tuner._adapter_modules()
-        try:
-            tuner.mixed_batch = batches[id(decoder_names)]
-            for module in (*layers, *wrappers):
-                batch = batches[id(names) if id(module) in encoder_modules else id(decoder_names)]
-                if isinstance(module, ModulesToSaveWrapper):
-                    module.forward = _head_forward(module, batch)
-                elif isinstance(module, AuxiliaryTrainingWrapper):
-                    raise ValueError(
-                        f"{type(module).__name__} does not support mixed-graft batches; only heads stored whole "
-                        "(modules_to_save) do."
-                    )
-                else:
-                    module.mixed_batch = batch
-            yield
-        finally:
-            _clear(tuner)
+    # The checks run under the lock too: another thread's delete_adapter or load_adapter (which change the adapters
+    # and modules read here) waits for the whole mixed forward, as for a single-graft one.
+    with WRITE_LOCK:
+        names = check_adapter_names(tuner, adapter_names, _batch_size(args, kwargs))
+        num_beams = kwargs.get("num_beams")
+        decoder_names = names
+        if isinstance(num_beams, int) and num_beams > 1:  # generate repeats each input num_beams times, as in peft
+            decoder_names = [name for name in names for _ in range(num_beams)]
+        encoder = _encoder(tuner.model)
+        encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
+        with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
+            batches = {id(names): MixedBatch(names), id(decoder_names): MixedBatch(decoder_names)}
+            layers, wrappers = tuner._adapter_modules()
+            try:
+                tuner.mixed_batch = batches[id(decoder_names)]
+                for module in (*layers, *wrappers):
+                    batch = batches[id(names) if id(module) in encoder_modules else id(decoder_names)]
+                    if isinstance(module, ModulesToSaveWrapper):
+                        module.forward = _head_forward(module, batch)
+                    elif isinstance(module, AuxiliaryTrainingWrapper):
+                        raise ValueError(
+                            f"{type(module).__name__} does not support mixed-graft batches; only heads stored whole "
+                            "(modules_to_save) do."
+                        )
+                    else:
+                        module.mixed_batch = batch
+                yield
+            finally:
+                _clear(tuner)
 
 
 @contextmanager

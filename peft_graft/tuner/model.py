@@ -16,6 +16,7 @@ from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout, num_base_parameters
 from ..regions import Region
+from ..scores.movement import saved_whole_module
 from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
@@ -84,12 +85,22 @@ class GraftModel(BaseTuner):
                 f"config): give adapter {adapter_name!r} its own GraftConfig(finetuned=..., ...), or load a saved "
                 "graft with load_adapter."
             )
+        try:
+            _check_no_graft_layer_stored_whole(model, config, adapter_name)
+        except ValueError:
+            del self.peft_config[adapter_name]
+            raise
         layout = build_layout(model)
-        self._plan = plan_loaded_graft(config, layout) if config.is_created else plan_new_graft(model, config, layout)
+        if config.is_created:
+            self._plan = plan_loaded_graft(config, layout, model, adapter_name)
+        else:
+            self._plan = plan_new_graft(model, config, layout)
         if config.is_created:
             _check_saved_whole(config, adapter_name, self._plan.targets)
         # The config fully determines the targets; peft's key-based injection from a state dict would miss tied users.
         super().inject_adapter(model, adapter_name, autocast_adapter_dtype, low_cpu_mem_usage, state_dict=None)
+        # Found again: peft's set_adapter above ran before it wrapped this adapter's modules_to_save (a new head).
+        self._adapter_modules_cache = None
         if not config.is_created:
             self._finish_creation(model, config, adapter_name)
         del self._plan
@@ -639,15 +650,30 @@ def check_loaded_graft(model: nn.Module, adapter_name: str) -> None:
 
 
 def _check_saved_whole(config: GraftConfig, adapter_name: str, targets) -> None:
-    """A loaded graft's ``modules_to_save`` may not name a module it grafts (peft would fail wrapping a graft layer)."""
-    for name in config.modules_to_save or []:
-        clash = sorted(key for key in targets if key == name or key.endswith(f".{name}"))
-        if clash:
-            raise ValueError(
-                f"{config.source} (adapter {adapter_name!r}) lists modules_to_save={config.modules_to_save}, but the "
-                f"graft grafts module {clash[0]!r} (its entries, or a tensor tied to them): a module is stored whole "
-                "or grafted, not both. The config was altered: save or download the adapter again."
-            )
+    """A loaded graft's ``modules_to_save`` may not hold a module it grafts (peft would fail wrapping a graft layer)."""
+    clash = sorted(key for key in targets if saved_whole_module(key, config.modules_to_save) is not None)
+    if clash:
+        raise ValueError(
+            f"{config.source} (adapter {adapter_name!r}) lists modules_to_save={config.modules_to_save}, but the "
+            f"graft grafts module {clash[0]!r} (its entries, or a tensor tied to them): a module is stored whole "
+            "or grafted, not both. The config was altered: save or download the adapter again."
+        )
+
+
+def _check_no_graft_layer_stored_whole(model: nn.Module, config: GraftConfig, adapter_name: str) -> None:
+    """Refuse a graft that stores whole (``modules_to_save``) a module where other grafts already graft entries: peft
+    would copy their graft layer into the stored module, which no graft could then save, load or merge."""
+    for name, layer in model.named_modules():
+        whole = saved_whole_module(name, config.modules_to_save) if isinstance(layer, GraftLayer) else None
+        if whole is None:
+            continue
+        others = [n for n in layer._all_available_adapter_names() if n != adapter_name]
+        raise ValueError(
+            f"Adapter {adapter_name!r} stores module {whole!r} whole (modules_to_save={config.modules_to_save}), "
+            f"but adapter(s) {others} of this model graft entries of {name!r} in it: in one model a module is "
+            f"either stored whole or grafted. Make every graft with {whole!r} in its modules_to_save (then none "
+            "grafts entries there), or load these grafts onto separate copies of the base model."
+        )
 
 
 def check_adapter_name(name: object) -> None:

@@ -60,9 +60,20 @@ class Plan:
     num_eligible: int = 0  # entries the region was chosen among (the denominator of GraftConfig.sparsity)
 
 
-def plan_loaded_graft(config: GraftConfig, layout: Layout) -> Plan:
+def plan_loaded_graft(config: GraftConfig, layout: Layout, model: nn.Module, adapter_name: str) -> Plan:
     """Empty hard regions of the recorded sizes, to be filled by loading the saved entries."""
     unknown = sorted(set(config.grafted_modules) - set(layout.stored))
+    wrapped = _wrapped_modules(model)
+    for module in unknown:
+        whole = next((w for w in wrapped if module == w or module.startswith(f"{w}.")), None)
+        if whole is not None:
+            raise ValueError(
+                f"Graft {adapter_name!r} ({config.source}) grafts entries of module {module!r}, but this model "
+                f"stores {whole!r} whole (modules_to_save) for adapter(s) {wrapped[whole]}: in one model a module is "
+                f"either stored whole or grafted. Make every graft with {whole!r} in its modules_to_save (a task head "
+                "fine-tuning changed must be stored whole), or load these grafts onto separate copies of the base "
+                "model."
+            )
     if unknown:
         raise ValueError(
             f"This graft was made for another architecture: modules {unknown[:5]} hold no parameter of this model."
@@ -121,6 +132,16 @@ def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not torch.isfinite(tensor).all():
         raise ValueError(f"theta_ft of {name!r} (stored whole, modules_to_save) has NaN or inf entries.")
     return tensor
+
+
+def _wrapped_modules(model: nn.Module) -> dict[str, list[str]]:
+    """The modules peft already stores whole (``modules_to_save``), by their names in the plain model, and the
+    adapters holding a copy of each."""
+    return {
+        peft_free_name(name): sorted(module._adapters)
+        for name, module in model.named_modules()
+        if isinstance(module, AuxiliaryTrainingWrapper)
+    }
 
 
 def _wrapped_whole_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
