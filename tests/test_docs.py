@@ -4,6 +4,8 @@ The files are found when the tests run (``docs/*.md`` globbed then), so a new gu
 file. One test per file: its python blocks run in order in one fresh namespace (``exec`` with a new dict), so a later
 block can use what an earlier one defined, in a temporary working directory (what a snippet saves lands there). A
 failure names the file and the line where the failing block starts (tracebacks give the file's own line numbers).
+What the snippets write must go under ``outputs/`` (ignored by git) or a temporary folder: anything else they leave in
+the working directory fails the test, as it would litter a user's checkout.
 The blocks run with one torch thread, and the registry of region strategies is restored after each file.
 
 Hub models: the snippets run offline on tiny random models (hidden size 32, 2 layers). Guides build them from
@@ -93,7 +95,9 @@ def test_python_snippets_run(path, tmp_path, monkeypatch):
     for line, reason in skipped:
         assert reason, f"{path.name}:{line}: a docs-test skip marker needs a reason"
         assert reason in ALLOWED_SKIPS.get(path.name, set()), f"{path.name}:{line}: skip not allowed: {reason!r}"
-    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
     strategies, threads = copy.copy(REGION_STRATEGIES), torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread is as fast, and kinder to a shared machine
     namespace: dict = {"__name__": f"docs_{path.stem}"}
@@ -112,6 +116,44 @@ def test_python_snippets_run(path, tmp_path, monkeypatch):
         REGION_STRATEGIES.clear()
         REGION_STRATEGIES.update(strategies)
         torch.set_num_threads(threads)
+    littered = sorted(entry.name for entry in work.iterdir() if entry.name != "outputs")
+    assert not littered, (
+        f"{path.name}: its snippets wrote {littered} into the working folder: write under outputs/ (ignored by git) or "
+        "a temporary folder"
+    )
+
+
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def markdown_files() -> list[Path]:
+    """Every markdown file of the repository (build and cache folders aside)."""
+    skip = {".git", "outputs", "reports", "build", "dist", ".pytest_cache", ".ruff_cache"}
+    return sorted(p for p in ROOT.rglob("*.md") if not skip & set(p.relative_to(ROOT).parts))
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_image_exists(path):
+    """A relative link or image of a markdown file names a file or folder that exists beside it (issue 37: a report
+    linked two images that were not beside it)."""
+    missing = []
+    for target in MARKDOWN_LINK.findall(path.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):  # a URL or an anchor of the same file
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            missing.append(target)
+    assert not missing, f"{path.relative_to(ROOT)} links files that do not exist: {missing}"
+
+
+OTHER_TOOLS_FLAGS = {"--check"}  # README's `ruff format --check`
+
+
+def test_examples_readme_describes_every_flag_the_readme_uses():
+    """README says examples/README.md describes the flags of its commands: every ``--flag`` README names is there."""
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", (ROOT / "README.md").read_text())) - OTHER_TOOLS_FLAGS
+    described = (ROOT / "examples" / "README.md").read_text()
+    missing = sorted(flag for flag in flags if not re.search(rf"{re.escape(flag)}(?![\w-])", described))
+    assert not missing, f"examples/README.md does not describe {missing}, which README.md uses"
 
 
 def test_every_guide_is_linked_from_the_readme():

@@ -213,10 +213,10 @@ def test_the_quick_preset_is_trec_at_smoke_size_with_one_learned_graft():
     run, settings = _settings("--quick")
     assert run == "minilm_trec_quick" and settings["task"] == "trec" and settings["preset"] == "quick"
     main = _settings()[1]
-    assert settings["fractions"] == (1e-3,) and settings["sweep_fractions"] == ()
+    assert settings["fractions"] == (1e-4,) and settings["sweep_fractions"] == ()
     assert settings["ft_steps"] < main["ft_steps"] and settings["mask_steps"] < main["mask_steps"]
     assert settings["test_size"] < main["test_size"] and settings["dev_size"] < main["dev_size"]
-    for key in ("k_shot", "max_seq_length", "ft_batch", "ft_lr"):  # the main run's set-up, shorter
+    for key in ("k_shot", "max_seq_length", "ft_batch", "ft_lr", "mask_batch"):  # the main run's set-up, shorter
         assert settings[key] == main[key], key
 
 
@@ -356,3 +356,16 @@ def test_k_shot_sample_reads_your_label_column_and_keeps_every_column(tmp_path):
     assert per_class == {"a": 4, "b": 3}
     sample = pd.read_csv(path)
     assert list(sample.columns) == ["review", "stars"] and sample["stars"].value_counts().to_dict() == {"a": 4, "b": 3}
+
+
+def test_a_model_that_is_neither_a_folder_nor_a_reachable_hub_id_is_refused_before_any_work(own_task, tmp_path):
+    flags = _own_flags(own_task, tmp_path)
+    flags[flags.index("--model_name_or_path") + 1] = "no-such-user/no-such-model"
+    with pytest.raises(ValueError, match="'no-such-user/no-such-model' is not a folder, and the Hub model"):
+        run_pipeline.main(flags)  # offline here (HF_HUB_OFFLINE=1)
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_model_folder_without_safetensors_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"holds no \*\.safetensors file"):
+        run_pipeline._num_parameters(str(tmp_path))
