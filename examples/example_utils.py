@@ -587,6 +587,11 @@ def read_table(
         frame = read_frame(path)
     elif path.is_dir():
         data = load_from_disk(str(path))
+        if hasattr(data, "keys") and split not in data:
+            raise ValueError(
+                f"Dataset folder {name_or_path!r} has no split {split!r}; its splits are {list(data)}: name one with "
+                "the split flag (--train_split, --validation_split, --eval_split)."
+            )
         frame = (data[split] if hasattr(data, "keys") else data).to_pandas()
     elif _looks_like_path(name_or_path):
         raise ValueError(f"Dataset path {name_or_path!r} does not exist: pass an existing file or folder, or a Hub id.")
@@ -708,10 +713,14 @@ def line_numbers(path: str | os.PathLike) -> list[int] | None:
                     starts.append(line)
                 line = reader.line_num + 1
             return starts[1:]
-        lines = handle.read().splitlines()
-    if suffix == ".json" and lines and lines[0].lstrip().startswith("["):
-        return None  # one JSON array: rows are not lines
-    return [number for number, line in enumerate(lines, 1) if line.strip()]
+        text = handle.read()
+    if suffix == ".json":
+        try:
+            json.loads(text)
+            return None  # one JSON document (an array or an object of columns): rows are not lines
+        except ValueError:
+            pass  # JSON lines
+    return [number for number, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
 def describe_rows(name_or_path: str | os.PathLike, rows, limit: int = 10) -> str:

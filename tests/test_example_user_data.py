@@ -465,7 +465,15 @@ def test_every_reader_keeps_texts_that_look_missing(tmp_path, kind):
     assert U.encode_labels(frame, ["0", "1"])["label"].tolist() == [0, 1, 0, 1, 0, 1]
 
 
-def test_a_tab_separated_file_with_a_multi_line_csv_cell_gives_file_lines(tmp_path):
+def test_a_missing_split_of_a_saved_dataset_is_named(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"has no split 'validation'; its splits are \['train'\]: name one"):
+        U.read_table(str(tmp_path / "d"), split="validation")
+
+
+def test_a_csv_file_with_a_multi_line_cell_gives_file_lines(tmp_path):
     path = tmp_path / "multi.csv"
     path.write_text('text,label\n"two\nlines",pos\n\nok,\n')
     with pytest.raises(ValueError, match=r"1 row\(s\) 1 \(0-based data rows; file lines 5\)"):
