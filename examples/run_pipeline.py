@@ -267,13 +267,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     ft_dir = args.finetuned_model_name_or_path or str(work / "finetuned")
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
-    if args.finetuned_model_name_or_path is None:
+    if args.finetuned_model_name_or_path is None:  # (the many-shot runs checkpoint to resume; --quick has no time to)
         resumable_step(run_finetune, ft_dir, [
             "--model_name_or_path", model, *head, *data_args, *steps, "--output_dir", ft_dir,
             "--per_device_train_batch_size", str(settings["ft_batch"]),
             "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
             "--learning_rate", str(settings["ft_lr"]), *common,
-        ], checkpoints=settings["all_data"])  # fmt: skip
+        ], checkpoints=settings["all_data"] and settings["preset"] != "quick")  # fmt: skip
     else:
         logger.info("Fine-tuning skipped: the fine-tune is %s", ft_dir)
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
