@@ -455,8 +455,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         now (theta_ft, fp32). The cast layer then applies theta_ft rounded to the new dtype, as casting the grafted
         model does; a cast back, a save or a load onto the original base gives theta_ft itself. Where the cast keeps
         theta_pre (an fp32 base cast to fp64), the delta still gives theta_ft. A merged adapter is left as it is (its
-        merged values are cast as they are)."""
-        if adapter_name in self.merged_adapters:
+        merged values are cast as they are), and so is one whose values train (an entry stored exactly would no
+        longer follow its trained value)."""
+        if adapter_name in self.merged_adapters or self.graft_values[adapter_name].requires_grad:
             return
         positions, targets = [], []
         for attr, local, position in self.space.split(self.graft_indices[adapter_name]):
