@@ -419,7 +419,7 @@ def k_shot_sample(
     measured."""
     import pandas as pd
 
-    pool = _read_frame(pool_file)
+    pool = U.read_frame(pool_file)  # every row and column, texts as written
     counts = pool[label_column].value_counts().sort_index()
     per_class = {str(label): min(k, int(count)) for label, count in counts.items()}
     if all(count >= k for count in counts):
@@ -430,25 +430,6 @@ def k_shot_sample(
     path = data_dir / f"{Path(pool_file).stem}_k{k}_seed{seed}.csv"
     pd.concat(parts).sample(frac=1.0, random_state=seed).to_csv(path, index=False)
     return str(path), per_class
-
-
-def _read_frame(path: str):
-    """A data file as pandas reads it, every column kept (CSV, TSV, JSON lines or parquet, by suffix)."""
-    import pandas as pd
-
-    suffix = Path(path).suffix.lower()
-    if suffix == ".csv":
-        return pd.read_csv(path)
-    if suffix == ".tsv":
-        return pd.read_csv(path, sep="\t")
-    if suffix == ".parquet":
-        return pd.read_parquet(path)
-    return pd.read_json(path, lines=suffix == ".jsonl" or not _is_json_array(path))
-
-
-def _is_json_array(path: str) -> bool:
-    with open(path, encoding="utf-8") as file:
-        return file.read(4096).lstrip().startswith("[")
 
 
 def check_own_files(args: argparse.Namespace) -> None:

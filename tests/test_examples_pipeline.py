@@ -358,6 +358,18 @@ def test_k_shot_sample_reads_your_label_column_and_keeps_every_column(tmp_path):
     assert list(sample.columns) == ["review", "stars"] and sample["stars"].value_counts().to_dict() == {"a": 4, "b": 3}
 
 
+def test_k_shot_sample_keeps_texts_that_look_missing(tmp_path):
+    """A sample file holds each sampled text as written: ``NA``, ``null`` and empty texts are not turned into NaN."""
+    pool = tmp_path / "pool.csv"
+    texts = ["NA", "null", "", "None", "fine", "nan"]
+    pd.DataFrame({"text": texts, "label": [0, 0, 0, 0, 1, 1]}).to_csv(pool, index=False)
+    path, _ = run_pipeline.k_shot_sample(str(pool), 3, seed=0, data_dir=tmp_path / "d")
+    sample = pd.read_csv(path, dtype=str, keep_default_na=False)
+    assert set(sample.loc[sample["label"] == "1", "text"]) == {"fine", "nan"}  # the short class, whole
+    negatives = sample.loc[sample["label"] == "0", "text"]
+    assert len(negatives) == 3 and negatives.is_unique and set(negatives) <= {"NA", "null", "", "None"}
+
+
 def test_a_model_that_is_neither_a_folder_nor_a_reachable_hub_id_is_refused_before_any_work(own_task, tmp_path):
     flags = _own_flags(own_task, tmp_path)
     flags[flags.index("--model_name_or_path") + 1] = "no-such-user/no-such-model"
