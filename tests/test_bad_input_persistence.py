@@ -63,6 +63,7 @@ def spoil_values(model, change) -> str:
         (lambda t: t.to(torch.float64), r"value dtype torch.float64.*model.float\(\)"),
         (lambda t: torch.full_like(t, torch.nan), r"NaN or inf.*the graft in memory is corrupt"),
     ],
+    ids=["bf16", "fp16", "fp64", "nan"],
 )
 def test_a_save_the_loader_would_refuse_is_refused_and_the_folder_kept(pair, saved, change, match):
     """Saved back into the folder it was loaded from: refused, the folder byte for byte as it was, still loadable."""
@@ -253,7 +254,7 @@ def test_a_refused_merged_save_leaves_adapter_and_heads_as_they_were(merge_base,
     assert torch.equal(reloaded.model(input_ids()).logits, logits)
 
 
-@pytest.mark.parametrize(("rule", "extra"), [("task_arithmetic", {}), ("ties", {"density": 0.5})])
+@pytest.mark.parametrize(("rule", "extra"), [("task_arithmetic", {}), ("ties", {"density": 0.5})], ids=["ta", "ties"])
 def test_huge_finite_merge_weights_are_refused(merge_base, rule, extra):
     model = two_tasks(merge_base)
     before = sorted(model.state_dict())
