@@ -5,7 +5,8 @@ With ``tau = theta_ft - theta_pre`` over the eligible tensors (the encoder layer
 ``'encoder.layer' in name``):
 
 * **Start.** ``S = +sigmoid_bias`` on the top ``int(sparsity * n)`` entries of ``|tau|`` (over all ``n`` eligible
-  entries at once), ``-sigmoid_bias`` elsewhere.
+  entries at once), ``-sigmoid_bias`` elsewhere. Exactly ``int(sparsity * n)`` entries: the reference code's strict
+  threshold (``|tau|`` above the k-th largest value) starts with one fewer when the values are distinct.
 * **One step = one pass over the training set.** The model is evaluated at ``theta_pre + sigmoid(S) * tau`` (every
   eligible entry, not rounded; dropout off), and the gradients of the batch-mean losses are *summed* over the pass's
   batches (``G``; the reference code accumulates them so: its divisor stays 1). Then, with ``d = sigmoid'(S)``::
