@@ -185,6 +185,18 @@ def test_graft_values_keep_fp32_through_a_cast_and_the_graft_survives_save_and_l
     assert_theta_ft_at(model.to(torch.float32), region, finetuned)  # cast back
 
 
+def test_a_graft_made_on_a_bf16_base_cast_to_fp32_gives_its_theta_ft():
+    """Its fp32 deltas were chosen to round to theta_ft in bf16; on the fp32 cast of the same base they would give
+    theta_pre + delta unrounded: the cast stores those entries exactly, and the model gives theta_ft bit for bit."""
+    pre, finetuned, _ = make_pair("bert_cls")
+    pre, finetuned = clone_model(pre).to(torch.bfloat16), clone_model(finetuned).to(torch.bfloat16)
+    config = GraftConfig(finetuned=finetuned, sparsity=0.05, modules_to_save=["classifier"])
+    model = get_peft_model(clone_model(pre), config).eval()
+    region = model.get_region()
+    model.to(torch.float32)
+    assert_theta_ft_at(model, region, finetuned.float())
+
+
 def assert_theta_ft_at(model, region, finetuned: nn.Module) -> None:
     """``model`` merged holds theta_ft bit for bit (in fp32) at every entry of ``region``."""
     merged, tuned = model.merge_and_unload().state_dict(), finetuned.state_dict()

@@ -434,7 +434,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             for adapter_name in list(self.graft_values):
                 if not self.is_learning(adapter_name):
                     self._check_base_before_cast(adapter_name)
-                    self._keep_exact(adapter_name, fn)
+                    with torch.no_grad():
+                        self._keep_exact(adapter_name, fn)
         graft = {id(tensor) for name in GRAFT_TENSORS for tensor in getattr(self, name).values()}
 
         def keep_graft_dtype(tensor: torch.Tensor) -> torch.Tensor:
@@ -454,18 +455,25 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         fp32 delta was made for theta_pre unrounded) join the entries stored exactly, with what the layer applies there
         now (theta_ft, fp32). The cast layer then applies theta_ft rounded to the new dtype, as casting the grafted
         model does; a cast back, a save or a load onto the original base gives theta_ft itself. Where the cast keeps
-        theta_pre (an fp32 base cast to fp64), the delta still gives theta_ft. A merged adapter is left as it is (its
-        merged values are cast as they are), and so is one whose values train (an entry stored exactly would no
-        longer follow its trained value)."""
-        if adapter_name in self.merged_adapters or self.graft_values[adapter_name].requires_grad:
+        theta_pre (an fp32 base cast to fp64), the delta still gives theta_ft; on the base the graft was made on (its
+        checksum), an entry where the delta would not (a graft made on a bf16 base, cast to fp32: the delta was
+        chosen to round to theta_ft in bf16) is stored exactly too. A merged adapter is left as it is (its
+        merged values are cast as they are)."""
+        if adapter_name in self.merged_adapters:
             return
+        indices, checksum = self.graft_indices[adapter_name], self.base_records(adapter_name)[1]
+        made_on = checksum is not None and self.base_checksum(indices) == checksum  # the base it was made on, uncast
         positions, targets = [], []
-        for attr, local, position in self.space.split(self.graft_indices[adapter_name]):
+        for attr, local, position in self.space.split(indices):
             entries = self._sparse_entries(adapter_name, attr)
             current = read_entries(getattr(self.base_layer, attr), local)
-            changed = (fn(current).to(current.device) != current).nonzero().reshape(-1)
+            cast, now = fn(current).to(current.device), graft_entries(current, entries, True)
+            changed = cast != current
+            if made_on:  # what it applies now is theta_ft: keep it where the delta would round otherwise
+                changed |= graft_entries(cast, entries, True) != fn(now).to(current.device)
+            changed = changed.nonzero().reshape(-1)
             positions.append(changed + position.start)
-            targets.append(graft_entries(current, entries, True)[changed].float())
+            targets.append(now[changed].float())
         old_positions, old_targets = self.exact_entries(adapter_name)
         new_positions = torch.cat(positions).cpu()
         if not new_positions.numel():

@@ -63,7 +63,7 @@ class Plan:
 def plan_loaded_graft(config: GraftConfig, layout: Layout, model: nn.Module, adapter_name: str) -> Plan:
     """Empty hard regions of the recorded sizes, to be filled by loading the saved entries."""
     unknown = sorted(set(config.grafted_modules) - set(layout.stored))
-    wrapped = _wrapped_modules(model)
+    wrapped = _wrapped_modules(model) if unknown else {}
     for module in unknown:
         whole = next((w for w in wrapped if module == w or module.startswith(f"{w}.")), None)
         if whole is not None:
