@@ -146,9 +146,10 @@ def read_requests(path: str, tasks: list[str]) -> pd.DataFrame:
     return frame
 
 
-def load_grafts(base: str, grafts: dict[str, str]) -> tuple[PeftModel, dict[str, list[str]]]:
-    """One base with every graft loaded under its task's name; heads padded to the largest number of classes
-    (:func:`peft_graft.serving.load_grafts`)."""
+def load_grafts(base: str, grafts: dict[str, str]) -> tuple[PeftModel, dict[str, list[str]], list[str]]:
+    """One base with every graft loaded under its task's name, heads padded to the largest number of classes
+    (:func:`peft_graft.serving.load_grafts`); the class names per task; the base head's tensors that were initialised
+    at random at this load (none when its checkpoint has a trained head of the served size)."""
     setups = {}
     for task, folder in grafts.items():
         setup = U.TaskSetup.load(folder)
@@ -156,11 +157,12 @@ def load_grafts(base: str, grafts: dict[str, str]) -> tuple[PeftModel, dict[str,
             raise ValueError(f"--graft {task}={folder}: not a classification graft saved by examples/run_graft.py.")
         setups[task] = setup.label_names
     num_labels = max(len(names) for names in setups.values())
-    # The base's own head (if any) is never used: every graft stores its head whole.
-    model = AutoModelForSequenceClassification.from_pretrained(
-        base, num_labels=num_labels, ignore_mismatched_sizes=True
+    # Every graft stores its head whole; the base's own head serves "__base__" requests only.
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        base, num_labels=num_labels, ignore_mismatched_sizes=True, output_loading_info=True
     )
-    return load_padded_grafts(model, grafts).eval(), setups
+    new_head = sorted({*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])})
+    return load_padded_grafts(model, grafts).eval(), setups, new_head
 
 
 def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int]]:
@@ -175,6 +177,19 @@ def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int
         rows = group.index.tolist()
         out.extend(rows[i : i + batch_size] for i in range(0, len(rows), batch_size))
     return out
+
+
+def check_base_requests(requests: pd.DataFrame, path: str, new_head: list[str], base: str) -> None:
+    """``__base__`` requests need a base whose checkpoint holds a trained head of the served size: a head initialised
+    at random at load (``new_head``: its tensors) would answer at random, differently at every load."""
+    asked = requests.index[requests["task"] == BASE]
+    if new_head and len(asked):
+        raise ValueError(
+            f"{path!r}: {U.describe_rows(path, asked)} ask for {BASE!r}, but the base {base!r} has no trained head of "
+            f"this size (initialised at random at load: {new_head[:4]}), so its answers would be random. Drop "
+            "those requests, or serve a base whose checkpoint has a trained classification head with as many classes "
+            "as the largest graft's."
+        )
 
 
 def serve(model, tokenizer, setups, requests: pd.DataFrame, batch_size: int, max_length: int, mode: str) -> list:
@@ -229,8 +244,9 @@ def main(argv: list[str] | None = None) -> dict:
     requests_path = args.requests or demo_requests(list(grafts), args.num_requests, output_dir / "requests.jsonl")
     requests = read_requests(requests_path, list(grafts))
     start = time.perf_counter()
-    model, setups = load_grafts(base, grafts)
+    model, setups, new_head = load_grafts(base, grafts)
     load_s = time.perf_counter() - start
+    check_base_requests(requests, requests_path, new_head, base)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(grafts.values())))
     serve(model, tokenizer, setups, requests.iloc[: args.batch_size], args.batch_size, args.max_seq_length, args.mode)
     start = time.perf_counter()  # timed after one warm-up batch

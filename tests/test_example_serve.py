@@ -32,14 +32,16 @@ WORDS = ["good", "bad", "film", "what", "who", "free", "prize", "call", "the", "
 TASKS = {"sentiment": ["negative", "positive"], "question": ["DESC", "HUM", "LOC"]}
 
 
-def make_assets(root: Path) -> tuple[str, list[str]]:
+def make_assets(root: Path, base_labels: int = 3) -> tuple[str, list[str]]:
+    """A base classifier with a head of ``base_labels`` classes (3: the largest task's, so it serves "__base__") and
+    a graft per task of :data:`TASKS`."""
     vocab = root / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
     tokenizer = BertTokenizerFast(vocab=str(vocab), do_lower_case=True)
     config = dict(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=24, max_position_embeddings=32)  # fmt: skip
     torch.manual_seed(0)
-    base = BertForSequenceClassification(BertConfig(**config)).eval()
+    base = BertForSequenceClassification(BertConfig(**config, num_labels=base_labels)).eval()
     base_dir = root / "base"
     base.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
@@ -86,7 +88,25 @@ def test_serving_mixed_batches_gives_each_request_its_grafts_prediction(tmp_path
             logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
         expected = [labels[i] for i in logits.argmax(-1).tolist()]
         assert [p["prediction"] for p in mixed if p["task"] == task] == expected
-    assert {type(p["prediction"]) for p in mixed if p["task"] == "__base__"} == {int}
+    base_model = AutoModelForSequenceClassification.from_pretrained(base).eval()  # its own trained head
+    with torch.no_grad():
+        expected = base_model(**tokenizer(texts, padding=True, return_tensors="pt")).logits.argmax(-1).tolist()
+    assert [p["prediction"] for p in mixed if p["task"] == "__base__"] == expected
+
+
+def test_base_requests_on_a_head_initialised_at_load_are_refused(tmp_path):
+    """A base whose head has another size than the served one gets a new, random head at every load: "__base__"
+    requests are refused naming the file and lines, and the grafts' requests still serve."""
+    base, specs = make_assets(tmp_path, base_labels=2)
+    path = tmp_path / "requests.jsonl"
+    rows = [{"task": "sentiment", "text": "good film"}, {"task": "__base__", "text": "bad film"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model_name_or_path", base, "--requests", str(path), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match=r"requests\.jsonl.*row\(s\) 1 .*file lines 2\).*'__base__'.*no trained head"):
+        serve_grafts.main([*argv, *(f"--graft={spec}" for spec in specs)])
+    path.write_text(json.dumps(rows[0]) + "\n")
+    serve_grafts.main([*argv, *(f"--graft={spec}" for spec in specs)])
+    assert json.loads((tmp_path / "out" / "predictions.jsonl").read_text())["prediction"] in TASKS["sentiment"]
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +149,7 @@ def test_every_documented_request_format_serves_as_json_lines(served, tmp_path, 
     predictions = _serve(base, specs, _request_file(tmp_path, requests, kind), tmp_path / "out")
     assert [p["index"] for p in predictions] == list(range(len(requests)))
     assert [(p["task"], p["text"]) for p in predictions] == [(p["task"], p["text"]) for p in expected]
-    # (the base's own head, "__base__", is newly initialized at each load)
-    assert [p["prediction"] for p in predictions if p["task"] in TASKS] == [
-        p["prediction"] for p in expected if p["task"] in TASKS
-    ]
+    assert [p["prediction"] for p in predictions] == [p["prediction"] for p in expected]
 
 
 @pytest.mark.parametrize(
