@@ -432,7 +432,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 self.unpack(adapter_name)
         if _casts_dtype(fn, self.base_layer):
             for adapter_name in list(self.graft_values):
-                if not self.is_learning(adapter_name):
+                indices = self.graft_indices[adapter_name]
+                loaded = not (indices.numel() and int(indices.min()) < 0)  # see update_layer
+                if loaded and not self.is_learning(adapter_name):
                     self._check_base_before_cast(adapter_name)
                     with torch.no_grad():
                         self._keep_exact(adapter_name, fn)
@@ -446,7 +448,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
     def _check_base_before_cast(self, adapter_name: str) -> None:
         """The base check of ``adapter_name`` if still due (a wrong base still raises, at first use)."""
-        if self.verify_base.get(adapter_name) and adapter_name not in self.awaiting_entries:
+        if self.verify_base.get(adapter_name):
             with contextlib.suppress(ValueError):  # left due: the first use raises it
                 self.check_base(adapter_name)
 
