@@ -48,8 +48,11 @@ def main(output_dir: str, search_fraction: float | None) -> None:
     if SHARDING or os.environ.get("FSDP") == "accelerate":  # "accelerate": FSDP2 from an accelerate config file
         allow_fsdp_on_cpu()
     pre, finetuned, task_type = make_pair("roberta_cls")
+    # With selection the sign test may keep the starting region: a non-empty one, so that the kept graft can be saved
+    # (a graft without entries cannot be: peft loads no adapter that targets no module).
+    start = dict(region="movement", num_entries=24) if SELECTION else dict(region="empty")
     config = GraftConfig(
-        finetuned=finetuned, region="empty", learn_region=True, task_type=task_type, search_fraction=search_fraction
+        finetuned=finetuned, **start, learn_region=True, task_type=task_type, search_fraction=search_fraction
     )
     model = get_peft_model(clone_model(pre), config)
     for module in model.modules():

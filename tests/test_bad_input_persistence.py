@@ -91,6 +91,19 @@ def test_a_sub_folder_adapter_is_checked_too(pair, tmp_path):
     assert not (tmp_path / "out" / "task").exists()
 
 
+def test_a_graft_without_entries_is_refused_at_save_with_why(pair, saved):
+    """A learned region kept empty (the sign test kept region='empty') makes a graft peft cannot load (no target
+    module): the save says so and how to fix it, and the folder keeps its graft."""
+    pre, finetuned, task_type = pair
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, region="empty", learn_region=True,
+                                                         task_type=task_type))  # fmt: skip
+    model.base_model.harden_region("default", entries={})
+    before = folder_bytes(saved)
+    with pytest.raises(ValueError, match=r"Nothing was written.*has no entries.*targets no module.*region='movement'"):
+        model.save_pretrained(saved)
+    assert folder_bytes(saved) == before
+
+
 def edit_config(folder, **fields) -> None:
     path = folder / "adapter_config.json"
     config = json.loads(path.read_text())

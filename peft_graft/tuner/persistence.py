@@ -133,29 +133,42 @@ def _check_before_replacing(model: PeftModel, staging: str, destination: str) ->
         weights = os.path.join(root, WEIGHTS_NAME)
         if CONFIG_NAME not in names or not os.path.isfile(weights):
             continue
-        config = PeftConfig.from_pretrained(root)
-        if not is_graft_config(config):
+        with open(os.path.join(root, CONFIG_NAME), encoding="utf-8") as file:
+            raw = json.load(file)
+        if not str(raw.get("peft_type", "")).lower().endswith(GRAFT_NAME):  # another method's adapter
             continue
         rel = os.path.relpath(root, staging)
         adapter_name = "default" if rel == os.curdir else rel  # peft saves other adapters in a sub-folder
         state_dict = safetensors.torch.load_file(weights)
         try:
+            config = PeftConfig.from_pretrained(root)
             check_integrity_fields(root)
             verify_weights_checksum(root)
             check_graft_state_dict(model, config, state_dict, adapter_name)
         except ValueError as error:
-            wrong = sorted({str(t.dtype) for k, t in state_dict.items() if f".{GRAFT_PREFIX}" in k and "values" in k}
-                           - {str(torch.float32)})  # fmt: skip
-            fix = (
-                f"graft values are float32, these are {', '.join(wrong)} (a cast such as model.to(torch.bfloat16) "
-                "changed them): cast them back with model.float() before saving"
-                if wrong
-                else "the graft in memory is corrupt: rebuild or reload it before saving"
-            )
             raise ValueError(
                 f"save_pretrained({destination!r}) refused: adapter {adapter_name!r} would be saved as a graft its own "
-                f"loader refuses ({error}). Nothing was written; the folder holds what it held before. Fix: {fix}."
+                f"loader refuses ({error}). Nothing was written; the folder holds what it held before. Fix: "
+                f"{_save_fix(raw, state_dict)}."
             ) from error
+
+
+def _save_fix(raw_config: dict, state_dict: dict[str, torch.Tensor]) -> str:
+    """How to fix a graft that its loader would refuse, from what was staged."""
+    if not raw_config.get("grafted_modules"):
+        return (
+            "the graft has no entries (e.g. a learned region kept empty: the sign test kept region='empty'), and peft "
+            "cannot load an adapter that targets no module; keep a non-empty region (start from a budgeted region "
+            "such as region='movement', or harden_region(num_entries=...))"
+        )
+    wrong = sorted({str(t.dtype) for k, t in state_dict.items() if f".{GRAFT_PREFIX}" in k and "values" in k}
+                   - {str(torch.float32)})  # fmt: skip
+    if wrong:
+        return (
+            f"graft values are float32, these are {', '.join(wrong)} (a cast such as model.to(torch.bfloat16) changed "
+            "them): cast them back with model.float() before saving"
+        )
+    return "the graft in memory is corrupt: rebuild or reload it before saving"
 
 
 def folder_lock(destination: str) -> FileLock:
