@@ -199,10 +199,14 @@ def main(args: list[str] | None = None) -> dict[str, float]:
         training_args.select_on_train = on_train
         training_args.metric_for_best_model = f"{'train_plus_eval_' if on_train else ''}{graft_args.select_metric}"
         training_args.greater_is_better = graft_args.select_metric not in ("loss", "nll", "ece", "brier")
-        if not alpha_given and graft_args.select_metric == "accuracy":
-            training_args.selection_alpha = SELECTION_ALPHA
-        logger.info("Mask selection on %s every %d steps: %s", graft_args.select_on, graft_args.select_every,
-                    "best accuracy, no sign test" if training_args.selection_alpha is None else
+    # Masks selected on a validation set by accuracy (here, or by your own --eval_strategy): the sign test by default.
+    by_accuracy = str(training_args.metric_for_best_model).removeprefix("eval_").endswith("accuracy")
+    selecting = eval_dataset is not None and training_args.eval_strategy != "no"
+    if selecting and by_accuracy and not alpha_given:
+        training_args.selection_alpha = SELECTION_ALPHA
+    if selecting:
+        logger.info("Mask selection by %s: %s", training_args.metric_for_best_model,
+                    "the best value, no sign test" if training_args.selection_alpha is None else
                     f"sign test at level {training_args.selection_alpha} (--selection_alpha none: off)")  # fmt: skip
     labelled_sets = eval_dataset is not None or (test_frame is not None and "label" in test_frame)
     U.clear_results(training_args.output_dir, RESULT_FILES, logger)

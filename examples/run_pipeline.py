@@ -38,6 +38,7 @@ already done (long runs resume where they stopped).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -265,6 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
     # (progress bars follow the scripts' default: on in a terminal, off in a redirected log)
     common = ["--seed", str(args.seed), "--report_to", "none", "--dataloader_pin_memory", pin_memory]
 
+    # Your files' content keys the steps done (an edited file is run again); the packaged tasks' files are fixed.
+    inputs = tuple(data.values()) if own else ()
     ft_dir = args.finetuned_model_name_or_path or str(work / "finetuned")
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
     if args.finetuned_model_name_or_path is None:  # (the many-shot runs checkpoint to resume; --quick has no time to)
@@ -273,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--per_device_train_batch_size", str(settings["ft_batch"]),
             "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
             "--learning_rate", str(settings["ft_lr"]), *common,
-        ], checkpoints=settings["all_data"] and settings["preset"] != "quick")  # fmt: skip
+        ], checkpoints=settings["all_data"] and settings["preset"] != "quick", inputs=inputs)  # fmt: skip
     else:
         logger.info("Fine-tuning skipped: the fine-tune is %s", ft_dir)
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
@@ -294,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
             "--logging_steps", str(min(25, max(1, settings["mask_steps"] // 2))),
             "--output_dir", out, *common,
-        ])  # fmt: skip
+        ], inputs=inputs + ((ft_dir,) if args.finetuned_model_name_or_path else ()))  # fmt: skip
         graft_dirs.append(out)
     timings["graft (mask training)"] = time.perf_counter() - start - sum(timings.values())
     (work / "timings.json").write_text(json.dumps(timings))
@@ -387,27 +390,51 @@ def run_settings(args: argparse.Namespace) -> tuple[str, dict]:
     return run, settings
 
 
-def resumable_step(script, output_dir: str, argv: list[str], checkpoints: bool = False) -> None:
+def resumable_step(
+    script, output_dir: str, argv: list[str], checkpoints: bool = False, inputs: tuple[str, ...] = ()
+) -> None:
     """``script.main(argv)``, skipped when ``output_dir`` holds the mark of the same step done with the same
-    arguments; the mark is written once the step returns. With ``checkpoints``, the step saves a Trainer checkpoint
-    every 200 steps (the last one kept) and a new run resumes from the last one."""
+    arguments and, for each file or folder of ``inputs`` (your data files, your fine-tune), the same content; the mark
+    is written once the step returns. With ``checkpoints``, the step saves a Trainer checkpoint every 200 steps (the
+    last one kept) and a new run resumes from the last one."""
     mark = Path(output_dir) / ".pipeline_done"
-    if mark.exists() and json.loads(mark.read_text()) == argv:
+    done = argv if not inputs else {"argv": argv, "inputs": {path: _content_digest(path) for path in inputs}}
+    if mark.exists() and json.loads(mark.read_text()) == done:
         logger.info("Skipping python examples/%s.py: done in an earlier run (%s)", script.__name__, mark)
         return
     run = list(argv)
+    started = Path(output_dir) / ".pipeline_started"  # the step whose checkpoints the folder holds
     if checkpoints:
         from transformers.trainer_utils import get_last_checkpoint
 
         run += ["--save_strategy", "steps", "--save_steps", "200", "--save_total_limit", "1"]
+        if started.exists() and json.loads(started.read_text()) != done:  # another step's checkpoints: not resumed
+            U.remove_checkpoints(output_dir, logger)
         last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
         if last is not None:
             logger.info("Resuming python examples/%s.py from %s", script.__name__, last)
             run += ["--resume_from_checkpoint", last]
+    if checkpoints:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        started.write_text(json.dumps(done))
     U.run_step(script, run, logger)
     if checkpoints:  # (a script that removes its own checkpoints leaves nothing for this to do)
         U.remove_checkpoints(output_dir, logger)
-    mark.write_text(json.dumps(argv))
+    mark.write_text(json.dumps(done))
+
+
+def _content_digest(path: str) -> str:
+    """sha256 of a file, or of the files of a folder (their relative names and bytes): edited data or a fine-tune
+    trained again is not a step done."""
+    root = Path(path)
+    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(root) if root.is_dir() else file.name).encode())
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def k_shot_sample(
@@ -448,15 +475,11 @@ def check_own_files(args: argparse.Namespace) -> None:
             frames[flag] = U.read_table(
                 path, text_column=args.text_column, label_column=args.label_column, label_required=flag != "test_file"
             )
-    classes = sorted(frames["train_file"]["label"].astype(str).unique())
-    if len(classes) < 2:
-        raise ValueError(f"--train_file {args.train_file!r} has one class {classes}: a classifier needs two or more.")
-    unseen = sorted(set(frames["validation_file"]["label"].astype(str)) - set(classes))
-    if unseen:
-        raise ValueError(
-            f"--validation_file {args.validation_file!r} has labels {unseen[:5]} that --train_file "
-            f"{args.train_file!r} never has: the classes are those of the training file."
-        )
+    U.check_classes(frames["train_file"], args.train_file, args.label_column)
+    classes = U.label_names_of(frames["train_file"])
+    for flag in ("validation_file", "test_file"):  # labels that are no class: refused now, not after fine-tuning
+        if flag in frames and "label" in frames[flag]:
+            U.encode_labels(frames[flag], classes, getattr(args, flag))
     finetuned = args.finetuned_model_name_or_path
     if finetuned is not None and U.TaskSetup.load(finetuned) is None:
         raise ValueError(

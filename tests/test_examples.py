@@ -346,6 +346,11 @@ def test_graft_selects_on_a_validation_set_with_the_sign_test_by_default(assets,
     again = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path / "eq", *extra,
                                       "--selection_alpha=NONE"))  # fmt: skip
     assert "evaluated_masks" not in again
+    # your own evaluation settings: the same default
+    own = ["--validation_dataset", assets["test"], "--validation_split", "train", "--eval_strategy", "steps",
+           "--eval_steps", "1", "--metric_for_best_model", "accuracy"]  # fmt: skip
+    mine = run_graft.main(graft_args(assets, finetuned, "classification", tmp_path / "own", *own))
+    assert mine["evaluated_masks"] == 2 and "best_learned_p_value" in mine
 
 
 def test_graft_fraction_of_parameters_counts_all_parameters(assets, finetuned, tmp_path):

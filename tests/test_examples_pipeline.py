@@ -334,10 +334,20 @@ def test_without_a_test_file_the_summary_says_the_figures_are_optimistic(own_tas
             "has no graft_example.json",
         ),
         (["--train_file", "{train}", "--validation_file", "{missing}"], "does not exist"),
+        (
+            ["--train_file", "{train}", "--validation_file", "{dev}", "--test_file", "{unknown_class}"],
+            "are not among the training labels",
+        ),
+        (["--train_file", "{one_class}", "--validation_file", "{dev}"], "classification needs at least two"),
     ],
 )
 def test_own_file_mistakes_are_refused_before_any_work(own_task, tmp_path, capsys, flags, message):
     paths = {**own_task, "missing": str(tmp_path / "missing.csv")}
+    for name, stars in (("unknown_class", "zzz"), ("one_class", None)):
+        rows = pd.read_csv(own_task["train"])
+        rows["stars"] = stars if stars is not None else rows["stars"].iloc[0]
+        paths[name] = str(tmp_path / f"{name}.csv")
+        rows.to_csv(paths[name], index=False)
     argv = [flag.format(**paths) for flag in flags]
     if "--label_column" not in argv:
         argv += ["--text_column", "review", "--label_column", "stars"]
@@ -356,6 +366,49 @@ def test_k_shot_sample_reads_your_label_column_and_keeps_every_column(tmp_path):
     assert per_class == {"a": 4, "b": 3}
     sample = pd.read_csv(path)
     assert list(sample.columns) == ["review", "stars"] and sample["stars"].value_counts().to_dict() == {"a": 4, "b": 3}
+
+
+def test_a_step_on_edited_input_files_runs_again(tmp_path):
+    """Your files' content keys a step done: the same command after editing the data (or re-training your
+    fine-tune, a folder) runs the step again instead of keeping the earlier results."""
+    data, model = tmp_path / "train.csv", tmp_path / "finetuned"
+    data.write_text("text,label\na,0\nb,1\n")
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"1")
+    step, out = _Step(), tmp_path / "graft"
+    out.mkdir()
+    for _ in range(2):
+        run_pipeline.resumable_step(step, str(out), ["--x"], inputs=(str(data), str(model)))
+    assert len(step.calls) == 1
+    data.write_text("text,label\na,1\nb,0\n")  # labels fixed by hand
+    run_pipeline.resumable_step(step, str(out), ["--x"], inputs=(str(data), str(model)))
+    (model / "model.safetensors").write_bytes(b"2")  # fine-tuned again
+    run_pipeline.resumable_step(step, str(out), ["--x"], inputs=(str(data), str(model)))
+    assert len(step.calls) == 3
+
+
+def test_checkpoints_of_a_step_on_other_inputs_are_not_resumed(tmp_path):
+    """A fine-tune interrupted on the earlier data leaves checkpoints: a run on the edited data starts afresh."""
+    data, out = tmp_path / "train.csv", tmp_path / "finetuned"
+    data.write_text("text,label\na,0\nb,1\n")
+
+    class Interrupted(_Step):
+        def main(self, argv):
+            super().main(argv)
+            (out / "checkpoint-200").mkdir(parents=True, exist_ok=True)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline.resumable_step(Interrupted(), str(out), ["--x"], checkpoints=True, inputs=(str(data),))
+    step = _Step()
+    run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True, inputs=(str(data),))  # same data: resumed
+    assert "--resume_from_checkpoint" in step.calls[0]
+    (out / ".pipeline_done").unlink()
+    (out / "checkpoint-200").mkdir()
+    data.write_text("text,label\na,1\nb,0\n")
+    step = _Step()
+    run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True, inputs=(str(data),))
+    assert "--resume_from_checkpoint" not in step.calls[0] and not (out / "checkpoint-200").exists()
 
 
 def test_k_shot_sample_keeps_texts_that_look_missing(tmp_path):
