@@ -109,7 +109,14 @@ class MergedGraft:
                    for name, t in head.items()}  # fmt: skip
         metadata = {"rule": self.rule, "tasks": json.dumps(self.tasks), "options": json.dumps(self.options)}
         metadata["checksum"] = state_checksum(tensors, metadata)
-        save_file(tensors, path, metadata=metadata)
+        save_file(tensors, path, metadata=metadata)  # staged: nothing replaced if the loader's checks refuse it
+        try:
+            _read_heads(path)
+        except ValueError as error:
+            raise ValueError(
+                f"MergedGraft.save_pretrained refused: the task heads would be saved as a file its own loader refuses "
+                f"({error}). Nothing was written; fix the heads in memory (MergedGraft.heads) or merge again."
+            ) from error
 
     @classmethod
     def from_pretrained(

@@ -267,6 +267,19 @@ def test_a_refused_merged_save_leaves_adapter_and_heads_as_they_were(merge_base,
     assert torch.equal(reloaded.model(input_ids()).logits, logits)
 
 
+@pytest.mark.parametrize("spoil", ["nan", "int64"])
+def test_heads_its_loader_would_refuse_are_not_saved(merge_base, merged_folder, spoil):
+    """A merged graft whose heads in memory hold NaN or integers is refused at save, before anything is replaced."""
+    folder, _ = merged_folder
+    before = folder_bytes(folder.parent)
+    again = MergedGraft.from_pretrained(clone_model(merge_base), folder)
+    change = {"nan": lambda t: t * float("nan"), "int64": lambda t: t.long()}[spoil]
+    again.heads["x"] = {name: change(tensor) for name, tensor in again.heads["x"].items()}
+    with pytest.raises(ValueError, match=r"save_pretrained refused: the task heads .*Nothing was written"):
+        again.save_pretrained(folder.parent)
+    assert folder_bytes(folder.parent) == before
+
+
 @pytest.mark.parametrize(("rule", "extra"), [("task_arithmetic", {}), ("ties", {"density": 0.5})], ids=["ta", "ties"])
 def test_huge_finite_merge_weights_are_refused(merge_base, rule, extra):
     model = two_tasks(merge_base)
