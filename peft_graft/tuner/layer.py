@@ -456,11 +456,12 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Before ``fn`` casts the base layer: the entries of ``adapter_name`` where the cast changes theta_pre (its
         fp32 delta was made for theta_pre unrounded) join the entries stored exactly, with what the layer applies there
         now (theta_ft, fp32). The cast layer then applies theta_ft rounded to the new dtype, as casting the grafted
-        model does; a cast back, a save or a load onto the original base gives theta_ft itself. Where the cast keeps
-        theta_pre (an fp32 base cast to fp64), the delta still gives theta_ft; on the base the graft was made on (its
-        checksum), an entry where the delta would not (a graft made on a bf16 base, cast to fp32: the delta was
-        chosen to round to theta_ft in bf16) is stored exactly too. A merged adapter is left as it is (its
-        merged values are cast as they are)."""
+        model does; a cast back, a save or a load onto the original base gives theta_ft itself. On the base the graft
+        was made on (its checksum), an entry where the delta added in the new dtype misses theta_ft is stored exactly
+        too: a graft made on a bf16 base cast to fp32 (the delta was chosen to round to theta_ft in bf16), and a
+        widening cast (fp32 to fp64: theta_pre + delta in fp64 is not theta_ft), where that is nearly every entry, so
+        the graft then stores theta_ft beside each delta. A merged adapter is left as it is (its merged values are cast
+        as they are)."""
         if adapter_name in self.merged_adapters:
             return
         indices, checksum = self.graft_indices[adapter_name], self.base_records(adapter_name)[1]
