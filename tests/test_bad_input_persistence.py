@@ -20,6 +20,7 @@ from testing_utils import clone_model, finetune_like, input_ids, make_bert_cls, 
 from peft_graft import GraftConfig, GraftLayer
 from peft_graft._checksum import state_checksum
 from peft_graft.merging import HEADS_FILE, MergedGraft, merge_grafts
+from peft_graft.parameter_layout import NO_ENTRIES
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,32 @@ def test_a_graft_without_entries_is_refused_at_save_with_why(pair, saved):
     with pytest.raises(ValueError, match=r"Nothing was written.*has no entries.*targets no module.*region='movement'"):
         model.save_pretrained(saved)
     assert folder_bytes(saved) == before
+
+
+def test_a_checkpoint_of_a_region_leaving_a_module_with_exact_entries_saves_and_loads(tmp_path):
+    """A region being learned that leaves a module of gamma_base holding an exact entry (theta_ft stored whole) is
+    saved as its hard mask alone: the module's gamma_base tensors are not written beside it (they were, and the
+    loader's check refused the MaskTrainer checkpoint)."""
+    torch.manual_seed(0)
+    pre = make_bert_cls()
+    finetuned = finetune_like(pre)
+    module = "bert.encoder.layer.0.intermediate.dense"
+    with torch.no_grad():  # an entry no fp32 delta reaches: 1e8 + (1e-8 - 1e8) == 0, not 1e-8
+        pre.get_submodule(module).weight[0, 0] = 1e8
+        finetuned.get_submodule(module).weight[0, 0] = 1e-8
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, num_entries=8, learn_region=True,
+                                                         task_type="SEQ_CLS"))  # fmt: skip
+    layer = model.base_model.model.get_submodule(module)
+    assert layer.exact_entries("default")[0].numel() == 1  # gamma_base holds it, stored exactly
+    for name, learner in model.base_model.region_learners("default").items():  # as MaskTrainer.hard_mask sets it
+        learner.hard = NO_ENTRIES if name == module else learner.harden()  # the region leaves that module
+    model.save_pretrained(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+    assert module not in config["grafted_modules"] and config["grafted_modules"]
+    loaded = PeftModel.from_pretrained(clone_model(pre), tmp_path / "ckpt").eval()
+    assert not isinstance(loaded.base_model.model.get_submodule(module), GraftLayer)
+    with torch.no_grad():  # the hard mask the checkpoint holds
+        assert torch.equal(loaded(input_ids()).logits, model.eval()(input_ids()).logits)
 
 
 def edit_config(folder, **fields) -> None:

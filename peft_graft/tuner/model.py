@@ -547,7 +547,11 @@ class GraftModel(BaseTuner):
                 out[key] = tensor.clone()
         for name, module in model.named_modules():
             if isinstance(module, GraftLayer) and module.is_learning(adapter_name):
+                for attr in GRAFT_TENSORS:  # what the layer registered for gamma_base: the region now replaces it
+                    out.pop(f"{name}.{attr}.{adapter_name}", None)
                 indices, values = module.entries(adapter_name)
+                if not indices.numel():  # no entry here now: not listed by _record_layout, not saved
+                    continue
                 index_dtype = module.space.index_dtype()
                 out[f"{name}.graft_indices.{adapter_name}"] = indices.to(index_dtype)
                 out[f"{name}.graft_values.{adapter_name}"] = values
