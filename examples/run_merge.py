@@ -373,7 +373,7 @@ def extend(values: list[float], best: float, upper: float | None) -> list[float]
 def tune(evaluate, build, rule: str, axes: dict[str, list[float]], fixed: dict, names, max_widen: int) -> dict:
     """The best setting of ``rule`` on dev over ``axes`` (name -> values), each axis widened up to ``max_widen`` times
     while the winner is on its edge; returns the winner, its label, the axes tried and the edges it still lies on."""
-    uppers = {"weights": None, "density": 1.0, "tall_lambda": None}
+    uppers = {"weights": None, "density": 1.0, "tall_lambda": 1.0}  # above 1 two TALL masks rarely agree on an entry
     axes = {axis: sorted(values) for axis, values in axes.items()}
     widened = dict.fromkeys(axes, 0)
     while True:

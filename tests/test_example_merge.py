@@ -118,3 +118,11 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
     again = run_merge.main(argv)  # everything saved: the same numbers, nothing recomputed
     assert again["merge"]["test"] == merge["test"] and again["individual"] == results["individual"]
     assert again["merge"]["serving"] == served
+
+
+def test_a_grid_axis_widens_off_its_edge_within_its_bounds():
+    assert run_merge.extend([0.3, 0.5, 1.5], 1.5, None) == [0.3, 0.5, 1.5, 2.25]  # lambda: beyond the top
+    assert run_merge.extend([0.3, 0.5, 1.5], 0.3, None) == [0.15, 0.3, 0.5, 1.5]  # and below the bottom
+    assert run_merge.extend([0.3, 0.5, 1.5], 0.5, None) is None  # an inner winner: nothing to widen
+    assert run_merge.extend([0.1, 0.3, 0.6], 0.6, 1.0) == [0.1, 0.3, 0.6, 1.0]  # a density stops at 1
+    assert run_merge.extend([0.1, 0.3, 0.6, 1.0], 1.0, 1.0) is None  # 1 is the axis' own edge
