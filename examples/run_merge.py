@@ -303,8 +303,12 @@ def localize(run: Runner, args, task: Task, pre, head, finetuned: dict, exclude:
             "minutes": (time.perf_counter() - start) / 60}  # fmt: skip
 
 
-def run_key(run: Runner, args: MergeArguments) -> str:
+def run_key(run: Runner, args: MergeArguments, merging: bool = False) -> str:
+    """What a task's cached stages depend on; with ``merging``, also what the cached merge scores depend on (the
+    tasks merged, the grids, Consensus's k): a rerun with other values scores afresh."""
     fields = ("logit_scale", "fraction", "ls_sparsity", "ls_sigmoid_bias", "ls_lr", "ls_l1", "model_name_or_path")
+    if merging:
+        fields += ("tasks", "lambdas", "densities", "tall_lambdas", "dataless_densities", "consensus_k", "max_widen")
     return json.dumps({**run.settings, "seed": run.seed, **{f: getattr(args, f) for f in fields}}, sort_keys=True)
 
 
@@ -639,7 +643,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["individual"][name] = prepare_task(run, args, name, task, pre, heads, exclude)
         exclude = exclude | Region.from_pretrained(work / "tasks" / name / "disjoint", pre)
     results["minutes_prepare"] = (time.perf_counter() - start) / 60
-    results["merge"] = merge_all(args, run, tasks, pre, heads, run_key(run, args))
+    results["merge"] = merge_all(args, run, tasks, pre, heads, run_key(run, args, merging=True))
     results["minutes"] = (time.perf_counter() - start) / 60
     report_dir.mkdir(parents=True, exist_ok=True)
     summary = summary_markdown(results, list(tasks))

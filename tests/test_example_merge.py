@@ -5,9 +5,11 @@ every saved result."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,3 +128,15 @@ def test_a_grid_axis_widens_off_its_edge_within_its_bounds():
     assert run_merge.extend([0.3, 0.5, 1.5], 0.5, None) is None  # an inner winner: nothing to widen
     assert run_merge.extend([0.1, 0.3, 0.6], 0.6, 1.0) == [0.1, 0.3, 0.6, 1.0]  # a density stops at 1
     assert run_merge.extend([0.1, 0.3, 0.6, 1.0], 1.0, 1.0) is None  # 1 is the axis' own edge
+
+
+def test_cached_merge_scores_are_keyed_by_the_tasks_grids_and_consensus_k():
+    """A rerun with other tasks, grids or Consensus k scores its merges afresh (the cache key changes); the tasks'
+    own stages (fine-tunes, regions) keep their key."""
+    run = SimpleNamespace(settings={"ft_steps": 400}, seed=42)
+    args = run_merge.MergeArguments()
+    tasks_key, merge_key = run_merge.run_key(run, args), run_merge.run_key(run, args, merging=True)
+    for change in ({"consensus_k": 3}, {"tasks": ["mr", "trec"]}, {"lambdas": [0.5]}, {"densities": [0.2]}):
+        other = dataclasses.replace(args, **change)
+        assert run_merge.run_key(run, other, merging=True) != merge_key, change
+        assert run_merge.run_key(run, other) == tasks_key, change
