@@ -177,6 +177,29 @@ def _model_key(label: str, entries: str) -> str:
     return f"{label.removesuffix(' graft')} k={size}"
 
 
+SPREAD_RUNS = {  # README's "how far a fresh run moves them" rows -> the committed results.json of each run
+    "seed 42": "main_trec_seed42.json",
+    "seed 42, own-file command, another host": "own_trec_train_seed42.json",
+}
+SPREAD_COLUMNS = ["fine-tuned", "pre-trained + FT head", "learned k=2271", "top-k movement k=2271", "random k=2271",
+                  "learned k=22714", "top-k movement k=22714", "random k=22714"]  # fmt: skip
+
+
+def test_the_readme_spread_rows_are_the_committed_runs():
+    """README's table of fresh runs (seeds, hosts) gives each run's test accuracies as its committed report says."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("| run | fine-tuned") :]
+    rows = [line for line in section[: section.index("\n\n")].splitlines()[2:]]
+    printed = {}
+    for line in rows:
+        cells = [cell.strip().replace("**", "") for cell in line.strip("|").split("|")]
+        printed[cells[0]] = [float(cell) for cell in cells[1:]]
+    assert set(printed) == set(SPREAD_RUNS)
+    for run, name in SPREAD_RUNS.items():
+        (models,) = json.loads((ROOT / "benchmarks" / "figures" / name).read_text())["metrics"].values()
+        assert printed[run] == [round(100 * models[key]["accuracy"], 1) for key in SPREAD_COLUMNS], run
+
+
 def test_the_readme_results_table_is_the_main_runs_report():
     """README's main table is the report of the committed main run (``reports/minilm_trec/results.json``, copied to
     benchmarks/figures), rounded as printed: a figure edited by hand, or a run that changed, fails here."""
