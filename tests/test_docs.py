@@ -180,6 +180,7 @@ def _model_key(label: str, entries: str) -> str:
 SPREAD_RUNS = {  # README's "how far a fresh run moves them" rows -> the committed results.json of each run
     "seed 42": "main_trec_seed42.json",
     "seed 42, own-file command, another host": "own_trec_train_seed42.json",
+    "seed 1": "main_trec_seed1.json",
 }
 SPREAD_COLUMNS = ["fine-tuned", "pre-trained + FT head", "learned k=2271", "top-k movement k=2271", "random k=2271",
                   "learned k=22714", "top-k movement k=22714", "random k=22714"]  # fmt: skip
