@@ -13,9 +13,28 @@ import torch
 from .region import Region
 
 
-def top_k_movement(movement: Mapping[str, torch.Tensor], k: int) -> Region:
-    """Exactly ``k`` entries of largest ``|theta_ft - theta_pre|`` over all tensors (the paper's ``gamma_base``)."""
-    return global_top_k(movement, k, key=torch.abs)
+def top_k_movement(movement: Mapping[str, torch.Tensor], k: int, within: Region | None = None) -> Region:
+    """Exactly ``k`` entries of largest ``|theta_ft - theta_pre|`` over all tensors (the paper's ``gamma_base``).
+
+    ``within``: the result of an earlier call on the same ``movement`` for at least ``k`` entries (e.g. a search
+    space). The order is total (the score, then the tensor, then the index), so the top ``k`` are the top ``k`` of
+    those: they are chosen there, from the movement at those entries only (``movement.gather(name, indices)`` when the
+    mapping has it), instead of passes over every entry. The result is the same either way.
+    """
+    if within is None or within.num_entries < k:
+        return global_top_k(movement, k, key=torch.abs)
+    names = [name for name in movement if name in within]
+    scores = {name: _entries_at(movement, name, within[name]) for name in names}
+    positions = global_top_k(scores, k, key=torch.abs)
+    return Region({name: within[name][chosen] for name, chosen in positions.items()})
+
+
+def _entries_at(tensors: Mapping[str, torch.Tensor], name: str, indices: torch.Tensor) -> torch.Tensor:
+    """``tensors[name]`` at the flat ``indices``: through the mapping's ``gather`` when it has one."""
+    gather = getattr(tensors, "gather", None)
+    if callable(gather):
+        return gather(name, indices)
+    return tensors[name].detach().reshape(-1)[indices.to(tensors[name].device)]
 
 
 def global_top_k(
@@ -76,8 +95,7 @@ def _strided_sample(
     stride = (sum(numel(tensors, name) for name in tensors) // size) | 1
     sample = _Collected(torch.float32)
     for name in tensors:
-        for start, piece in flat_pieces(tensors, name):
-            sample.add(key(piece[-start % stride :: stride].float()))  # the tensor's flat indices 0 mod stride
+        sample.add(key(strided_entries(tensors, name, stride).float()))
     return sample.tensor()
 
 
@@ -153,6 +171,15 @@ def flat_pieces(tensors: Mapping[str, torch.Tensor], name: str) -> Iterator[tupl
         return
     flat = tensors[name].detach().reshape(-1)
     yield 0, flat
+
+
+def strided_entries(tensors: Mapping[str, torch.Tensor], name: str, stride: int) -> torch.Tensor:
+    """The entries of ``tensors[name]`` at the flat indices 0 mod ``stride``, in order: through the mapping's
+    ``gather(name, indices)`` when it has one (:class:`peft_graft.scores.movement.Movement` then computes only those
+    entries), else from :func:`flat_pieces`."""
+    if callable(getattr(tensors, "gather", None)):
+        return _entries_at(tensors, name, torch.arange(0, numel(tensors, name), stride))
+    return torch.cat([piece[-start % stride :: stride] for start, piece in flat_pieces(tensors, name)])
 
 
 def random_region(sizes: Mapping[str, int], k: int, seed: int) -> Region:

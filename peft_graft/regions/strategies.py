@@ -42,6 +42,9 @@ class RegionRequest:
         seed: ``GraftConfig.seed``.
         given: ``GraftConfig(given_region=...)``, as the user passed it.
         scores: ``GraftConfig(region_scores=...)``, as the user passed it (e.g. a Fisher diagonal).
+        top_movement: The top entries of ``|movement|`` when the caller has chosen them already (a learned region's
+            search space, ``GraftConfig.search_fraction``), else ``None``: pass it as ``within`` to
+            :func:`~peft_graft.regions.top_k_movement` for a top-k of at most that many entries.
     """
 
     movement: Mapping[str, torch.Tensor]
@@ -50,6 +53,7 @@ class RegionRequest:
     seed: int = 0
     given: Any = None
     scores: Any = None
+    top_movement: Region | None = None
 
     @property
     def num_eligible(self) -> int:
@@ -129,7 +133,7 @@ def choose_region(name: str, request: RegionRequest) -> Region:
 @register_region_strategy("movement")
 def movement_region(request: RegionRequest) -> Region:
     """The paper's ``gamma_base``: the top-k entries of ``|theta_ft - theta_pre|`` over all eligible tensors."""
-    return top_k_movement(request.movement, request.budget(request.num_eligible))
+    return top_k_movement(request.movement, request.budget(request.num_eligible), within=request.top_movement)
 
 
 @register_region_strategy("random")

@@ -7,6 +7,7 @@ stores on its region.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -247,14 +248,21 @@ class Movement(Mapping[str, torch.Tensor]):
             yield start, exact_delta(pre, finetuned)[0]
 
     def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
-        """The fp32 movement of tensor ``name`` at the flat ``indices`` (any order), computed piece by piece."""
+        """The fp32 movement of tensor ``name`` at the flat ``indices`` (any order), read piece by piece.
+
+        :func:`exact_delta` is element-wise, so it runs on the wanted entries only: the values are those of
+        :meth:`pieces` bit for bit, at the cost of reading theta_ft rather than of differencing all of it.
+        """
+        if name not in self._known:
+            raise KeyError(name)
         order = indices.argsort()
         wanted = indices[order].to(torch.int64)
         out = torch.empty(wanted.numel(), dtype=torch.float32, device=indices.device)
-        for start, piece in self.pieces(name):
-            low, high = torch.searchsorted(wanted, torch.tensor([start, start + piece.numel()], device=wanted.device))
+        for start, pre, finetuned in finetuned_pieces(self._state, self._layout, name):
+            low, high = torch.searchsorted(wanted, torch.tensor([start, start + pre.numel()], device=wanted.device))
             if high > low:
-                out[order[low:high]] = piece[wanted[low:high] - start].to(out.device)
+                local = (wanted[low:high] - start).to(pre.device)
+                out[order[low:high]] = exact_delta(pre[local], finetuned[local])[0].to(out.device)
         return out
 
     def __contains__(self, name: object) -> bool:
@@ -288,11 +296,12 @@ def exact_movement(
         moved, bad, missed_at, missed_ft = False, 0, [], []
         for start, pre, finetuned in finetuned_pieces(state, layout, name):
             delta, missed = exact_delta(pre, finetuned)
-            finite = torch.isfinite(delta)
-            if not finite.all():
-                bad += int((~finite).sum())
-            moved = moved or bool(delta.any()) or bool(missed.any())
-            if missed.any():
+            low, high = (float(v) for v in torch.aminmax(delta))  # NaN if any entry is NaN: one pass for both checks
+            if not (math.isfinite(low) and math.isfinite(high)):
+                bad += int((~torch.isfinite(delta)).sum())
+            any_missed = bool(missed.any())
+            moved = moved or low != 0 or high != 0 or any_missed
+            if any_missed:
                 flat = missed.nonzero().reshape(-1)
                 missed_at.append(flat + start)
                 missed_ft.append(finetuned[flat].to(pre.dtype).float())
@@ -333,6 +342,8 @@ def _exact_delta(pre: torch.Tensor, finetuned: torch.Tensor) -> tuple[torch.Tens
     base = pre.float()
     rounded = delta = finetuned.float() - base
     applied = (base + delta).to(pre.dtype)
+    if torch.equal(applied, target):  # the common case, and a cheaper test than the mask below (same NaN semantics)
+        return delta, torch.zeros(delta.shape, dtype=torch.bool, device=delta.device)
     wrong = applied != target
     for _ in range(4):
         if not wrong.any():

@@ -95,14 +95,17 @@ def plan_new_graft(model: nn.Module, config: GraftConfig, layout: Layout) -> Pla
     movement, unreachable = exact_movement(state, layout, eligible, config.only_moved)
     if not movement:
         raise ValueError("No eligible tensor moved during fine-tuning: check finetuned and the parameter filters.")
-    request = RegionRequest(movement, config.budget, layout, config.seed, config._given_region, config._region_scores)
+    search = _top_of_search_space(config, movement, layout)
+    request = RegionRequest(
+        movement, config.budget, layout, config.seed, config._given_region, config._region_scores, search
+    )
     region = choose_region(config.region, request)
     _warn_dropped_heads(state, layout, config, movement, region)
     plan = Plan(layout, num_eligible=request.num_eligible)
     plan.regions = _by_module(layout, {n: (idx, movement.gather(n, idx)) for n, idx in region.items()})
     plan.unreachable = _by_module(layout, unreachable)
-    if config.learn_region and config.searches_subset:
-        _plan_search_space(plan, config, movement, region)
+    if search is not None:
+        _plan_search_space(plan, movement, search | region)
     elif config.learn_region:
         _plan_dense_learning(plan, movement)
     plan.entries = {m: int(idx.numel()) for m, (idx, _) in plan.regions.items()}
@@ -170,11 +173,20 @@ def _plan_dense_learning(plan: Plan, movement: Mapping[str, torch.Tensor]) -> No
         plan.regions.setdefault(module, NO_ENTRIES)
 
 
-def _plan_search_space(plan: Plan, config: GraftConfig, movement: Movement, region: Region) -> None:
-    """S on the search space only: the top movement entries (``search_fraction``/``search_entries``) plus the region."""
-    layout = plan.layout
+def _top_of_search_space(config: GraftConfig, movement: Movement, layout: Layout) -> Region | None:
+    """The top movement entries (``search_fraction``/``search_entries``) a learned region's search space starts from,
+    or ``None`` when S covers every entry or nothing is learned. Chosen before the region, which the ``movement``
+    strategy then picks among them (``RegionRequest.top_movement``) rather than by passes over every entry."""
+    if not (config.learn_region and config.searches_subset):
+        return None
     size = config.search_space_size(sum(layout.tensors[name].parameter.numel() for name in movement))
-    chosen = top_k_movement(movement, size) | region
+    return top_k_movement(movement, size)
+
+
+def _plan_search_space(plan: Plan, movement: Movement, chosen: Region) -> None:
+    """S on the search space only: ``chosen``, the top movement entries (``search_fraction``/``search_entries``)
+    plus the region."""
+    layout = plan.layout
     values = {name: movement.gather(name, chosen[name]) for name in movement if name in chosen}
     for module in sorted({layout.tensors[name].module for name in chosen}):
         space = layout.index_space(module)
