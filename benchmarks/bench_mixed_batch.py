@@ -4,20 +4,24 @@
 Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
 
 - ``design``: the two ways to apply 8 grafts to one batch, measured on RoBERTa-base's two Linear shapes (768 -> 768
-  and 768 -> 3072) over 4,096 tokens, with grafts of 0.01% and 1% of the weight: (a) the base layer once per graft's
-  examples with that graft's entries written in place (what the library does); (b) the base layer once for the whole
-  batch plus each graft's sparse delta added to its examples' outputs (``index_put_`` with ``accumulate``, as
-  ``y_i += x_i[:, cols] * dW[rows, cols]``). Paired ratios to the base layer, and (b)'s largest difference from (a).
+  and 768 -> 3072) over 4,096 tokens, with grafts of 0.01%, 0.1% and 1% of the weight: (a) the base layer once per
+  graft's examples with that graft's entries written in place (the ``"exact"`` mode); (b) the base layer once for the
+  whole batch plus each graft's sparse delta added to its examples' outputs (the ``"sparse_delta"`` mode,
+  ``y_i[:, rows] += x_i[:, cols] * dW[rows, cols]`` by ``index_add_``). Ratios to the base layer, and (b)'s largest
+  difference from (a).
 - ``mixed``: 8 grafts of 0.01% (0.01% of every tensor, about 12,500 entries, each with its own classification head
-  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch), against the base model's forward on
-  the same batch; beside it, peft LoRA (r = 8 on query and value, 8 adapters, the shared head: peft's mixed batches
-  refuse a RoBERTa head per adapter) against the same base forward.
-- ``scaling``: the mixed batch with 1, 8 and 32 distinct grafts of 0.01%, and with 8 grafts of 0.001%, 0.1% and 1%.
+  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch), in both modes, one graft for the
+  whole batch, and peft LoRA (r = 8 on query and value, 8 adapters, the shared head: peft's mixed batches refuse a
+  RoBERTa head per adapter), each against the base model's forward on the same batch; and the largest logit difference
+  between the two modes.
+- ``scaling``: the mixed batch with 1, 8 and 32 distinct grafts of 0.01% (LoRA beside it with as many adapters), and
+  with 8 grafts of 0.001%, 0.1% and 1%, both modes.
 - ``memory`` (its own process): 1,000 grafts of 0.01% without heads (sparse entries only) loaded with
   ``load_adapter`` onto one base: peak RSS over the loaded base against the adapters' file sizes, load time per
   graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
 
-Every ratio is the median (and quartiles) of pairs timed back to back, variant then base (``paired_ratios``). Results
+Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round; each
+round times the base then every variant back to back (``rounds``, ``paired_ratios``). Results
 are appended to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
 
 Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]``
@@ -46,6 +50,7 @@ from bench_graft import make_pair, paired_ratios, peak_rss_mb, reset_peak_rss, r
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig, Region
+from peft_graft.tuner.mixed_batch import add_deltas
 
 BATCH, SEQ_LEN, GROUPS = 32, 128, 8
 SOURCES = 10  # distinct saved grafts behind the memory part's thousand
@@ -80,24 +85,6 @@ def one_time(function) -> float:
     return time.perf_counter() - start
 
 
-def paired(variant, base, repeats: int) -> tuple[list[float], list[float]]:
-    """``repeats`` pairs, each the variant then the base, after one warm-up of each."""
-    variant(), base()
-    times, base_times = [], []
-    for _ in range(repeats):
-        times.append(one_time(variant))
-        base_times.append(one_time(base))
-    return times, base_times
-
-
-def summary(name: str, times: list[float], base_times: list[float]) -> dict:
-    return {
-        f"{name}_ms": round(1e3 * statistics.median(times), 1),
-        f"{name}_base_ms": round(1e3 * statistics.median(base_times), 1),
-        **paired_ratios(f"{name}_over_base", times, base_times),
-    }
-
-
 def forward(model, inputs: dict, **kwargs):
     with torch.inference_mode():
         return model(**inputs, **kwargs).logits
@@ -109,15 +96,11 @@ def plain_copy(pre: torch.nn.Module) -> torch.nn.Module:
     return base
 
 
-def versus_base(name: str, model, base, inputs: dict, repeats: int, **kwargs) -> dict:
-    """``model``'s forward (with ``kwargs``, e.g. adapter_names) against ``base``'s on the same batch, paired."""
-    return summary(name, *paired(lambda: forward(model, inputs, **kwargs), lambda: forward(base, inputs), repeats))
-
-
 # ------------------------------------------------------------------------------------------------ parts
 def design_variants(layer: torch.nn.Linear, x: torch.Tensor, groups: list[torch.Tensor], grafts: list[tuple]):
-    """The two designs for one Linear: ``(in place per group, base output plus sparse deltas)``."""
-    weight, tokens = layer.weight.data.view(-1), torch.arange(x.shape[1])
+    """The two designs for one Linear: ``(in place per group, base output plus sparse deltas)``, the second by the
+    library's ``"sparse_delta"`` mode's own ``add_deltas``."""
+    weight = layer.weight.data.view(-1)
 
     def in_place():
         y = None
@@ -132,12 +115,12 @@ def design_variants(layer: torch.nn.Linear, x: torch.Tensor, groups: list[torch.
             y.index_copy_(0, index, part)
         return y
 
+    deltas = [
+        (index, ((rows, cols, delta), None)) for index, (_, rows, cols, delta) in zip(groups, grafts, strict=True)
+    ]
+
     def sparse_deltas():
-        y = layer(x)
-        for index, (_, rows, cols, delta) in zip(groups, grafts, strict=True):
-            contribution = x.index_select(0, index).index_select(-1, cols) * delta
-            y.index_put_((index[:, None, None], tokens[None, :, None], rows[None, None, :]), contribution, True)
-        return y
+        return add_deltas(layer(x), x, deltas)
 
     return in_place, sparse_deltas
 
@@ -149,7 +132,7 @@ def part_design(repeats: int) -> dict:
     out = {}
     for features in (768, 3072):
         layer = torch.nn.Linear(768, features)
-        for fraction in (1e-4, 1e-2):
+        for fraction in (1e-4, 1e-3, 1e-2):
             count = max(1, round(fraction * layer.weight.numel()))
             grafts = []
             for _ in range(GROUPS):
@@ -158,51 +141,106 @@ def part_design(repeats: int) -> dict:
             in_place, sparse_deltas = design_variants(layer, x, groups, grafts)
             key = f"linear_768x{features}_{fraction:.2%}"
             with torch.inference_mode():
-                out.update(summary(f"{key}_in_place", *paired(in_place, lambda: layer(x), repeats)))  # noqa: B023
-                out.update(summary(f"{key}_sparse_deltas", *paired(sparse_deltas, lambda: layer(x), repeats)))  # noqa: B023
+                times = rounds({"in_place": in_place, "sparse_deltas": sparse_deltas}, lambda: layer(x), repeats)  # noqa: B023
+                out.update(ratios(key, times))
                 out[f"{key}_sparse_deltas_max_abs_difference"] = float((sparse_deltas() - in_place()).abs().max())
     return out
 
 
-def part_mixed(repeats: int) -> dict:
+def rounds(variants: dict, base, repeats: int) -> dict[str, list[float]]:
+    """``repeats`` rounds, each timing the base then every variant back to back (after one warm-up of each): per
+    variant, its times and the base times of the same rounds."""
+    base()
+    for variant in variants.values():
+        variant()
+    times = {name: [] for name in ("base", *variants)}
+    for _ in range(repeats):
+        times["base"].append(one_time(base))
+        for name, variant in variants.items():
+            times[name].append(one_time(variant))
+    return times
+
+
+def ratios(key: str, times: dict[str, list[float]]) -> dict:
+    """Per variant of ``rounds``: its median time and its paired ratio to the base (median and quartiles)."""
+    out = {f"{key}_base_ms": round(1e3 * statistics.median(times["base"]), 1)}
+    for name, variant_times in times.items():
+        if name != "base":
+            out[f"{key}_{name}_ms"] = round(1e3 * statistics.median(variant_times), 1)
+            out.update(paired_ratios(f"{key}_{name}_over_base", variant_times, times["base"]))
+    return out
+
+
+def graft_model(pre, finetuned, distinct: int, fraction: float):
+    from peft import get_peft_model
+
+    model = get_peft_model(pre, graft_config(finetuned, fraction, seed=0), adapter_name="g0").eval()
+    for g in range(1, distinct):
+        model.add_adapter(f"g{g}", graft_config(finetuned, fraction, seed=g))
+    return model
+
+
+def lora_model(base, distinct: int):
     from peft import LoraConfig, get_peft_model
 
+    config = dict(r=8, lora_alpha=16, target_modules=["query", "value"], init_lora_weights=False)
+    lora = get_peft_model(plain_copy(base), LoraConfig(**config), adapter_name="g0").eval()
+    for g in range(1, distinct):
+        lora.add_adapter(f"g{g}", LoraConfig(**config))
+    return lora
+
+
+def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
+    """The graft model's mixed batch in both modes, one graft for the whole batch, and LoRA's mixed batch."""
+    names = [f"g{i % distinct}" for i in range(BATCH)]
+
+    def graft(mode: str):
+        def run():
+            model.set_mixed_batch_mode(mode)
+            return forward(model, inputs, adapter_names=names)
+
+        return run
+
+    variants = {"graft_exact": graft("exact"), "graft_sparse_delta": graft("sparse_delta")}
+    if distinct == GROUPS:
+        variants["graft_single"] = lambda: forward(model, inputs)
+    if lora is not None:
+        variants["lora"] = lambda: forward(lora, inputs, adapter_names=names)
+    return variants
+
+
+def part_mixed(repeats: int) -> dict:
+    """8 grafts of 0.01% and 8 LoRA adapters in mixed batches, timed round by round against one base forward."""
     pre, finetuned = make_pair()
     base = plain_copy(pre)
     inputs = batch(pre.config.vocab_size)
-    names = [f"g{i % GROUPS}" for i in range(BATCH)]
-    model = get_peft_model(pre, graft_config(finetuned, 1e-4, seed=0), adapter_name="g0").eval()
-    for g in range(1, GROUPS):
-        model.add_adapter(f"g{g}", graft_config(finetuned, 1e-4, seed=g))
+    model = graft_model(pre, finetuned, GROUPS, 1e-4)
     del finetuned
+    lora = lora_model(base, GROUPS)
     result = {"entries_per_graft": model.get_region("g0").num_entries}
-    result.update(versus_base("graft_mixed", model, base, inputs, repeats, adapter_names=names))
-    result.update(versus_base("graft_single", model, base, inputs, repeats))
-    del model
-    config = dict(r=8, lora_alpha=16, target_modules=["query", "value"], init_lora_weights=False)
-    lora = get_peft_model(plain_copy(base), LoraConfig(**config), adapter_name="g0").eval()
-    for g in range(1, GROUPS):
-        lora.add_adapter(f"g{g}", LoraConfig(**config))
-    result.update(versus_base("lora_mixed", lora, base, inputs, repeats, adapter_names=names))
+    times = rounds(mixed_variants(model, lora, inputs, GROUPS), lambda: forward(base, inputs), repeats)
+    result.update(ratios("mixed_8", times))
+    names = [f"g{i % GROUPS}" for i in range(BATCH)]
+    exact = (model.set_mixed_batch_mode("exact"), forward(model, inputs, adapter_names=names))[1]
+    fast = (model.set_mixed_batch_mode("sparse_delta"), forward(model, inputs, adapter_names=names))[1]
+    result["sparse_delta_max_abs_logit_difference"] = float((fast - exact).abs().max())
+    result["sparse_delta_same_argmax"] = bool(torch.equal(fast.argmax(-1), exact.argmax(-1)))
     return result
 
 
 def part_scaling(repeats: int) -> dict:
-    from peft import get_peft_model
-
+    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%) in both modes, beside LoRA with as many
+    adapters, each against the base forward in the same rounds."""
     pre, finetuned = make_pair()
     base = plain_copy(pre)
     inputs = batch(pre.config.vocab_size)
-    model = get_peft_model(pre, graft_config(finetuned, 1e-6, seed=99), adapter_name="keep").eval()
     result = {}
     for distinct, fraction in ((1, 1e-4), (8, 1e-4), (32, 1e-4), (8, 1e-5), (8, 1e-3), (8, 1e-2)):
-        for g in range(distinct):
-            model.add_adapter(f"g{g}", graft_config(finetuned, fraction, seed=g))
-        names = [f"g{i % distinct}" for i in range(BATCH)]
-        key = f"{distinct}_grafts_{fraction:.3%}"
-        result.update(versus_base(key, model, base, inputs, repeats, adapter_names=names))
-        for g in range(distinct):
-            model.delete_adapter(f"g{g}")
+        model = graft_model(plain_copy(pre), finetuned, distinct, fraction)
+        lora = lora_model(base, distinct) if fraction == 1e-4 else None
+        times = rounds(mixed_variants(model, lora, inputs, distinct), lambda: forward(base, inputs), repeats)
+        result.update(ratios(f"{distinct}_grafts_{fraction:.3%}", times))
+        del model, lora
     return result
 
 

@@ -291,21 +291,32 @@ def _sparse_delta_forward(layer: nn.Module, batch: MixedBatch, holders: frozense
         deltas[name] = _sparse_delta(layer, name, shape)
         if deltas[name] is None:
             return None
-    out = layer.base_layer(x)
-    for name, index in batch.groups(x.device):
-        if name not in deltas:
-            continue
-        weight, bias = deltas[name]
-        part = out[index] if isinstance(index, slice) else out.index_select(0, index)
+    groups = [(index, deltas[name]) for name, index in batch.groups(x.device) if name in deltas]
+    return add_deltas(layer.base_layer(x), x, groups)
+
+
+def add_deltas(out: torch.Tensor, x: torch.Tensor, groups: list[tuple[slice | torch.Tensor, tuple]]) -> torch.Tensor:
+    """``out`` (the base layer's output on ``x``) with each group's sparse delta (``_sparse_delta``) added to its
+    examples' rows, touching only the entries' elements: one gather of ``x`` and one ``index_add_`` into ``out`` per
+    group, over flat indices (copying the group's rows in and out cost more than the deltas themselves)."""
+    batch_size, in_features, out_features = x.shape[0], x.shape[-1], out.shape[-1]
+    out = out.contiguous()
+    x_flat, out_flat = x.contiguous().view(-1), out.view(-1)
+    length = x.numel() // (batch_size * in_features)  # tokens per example
+    positions = torch.arange(length, device=x.device)
+    for index, (weight, bias) in groups:
+        examples = torch.arange(batch_size, device=x.device)[index] if isinstance(index, slice) else index
+        tokens = (examples[:, None] * length + positions).view(-1, 1)  # the group's rows of x and out, flat
         if weight is not None:
             rows, columns, delta = (t.to(x.device) for t in weight)
-            inputs = x[index] if isinstance(index, slice) else x.index_select(0, index)
-            part.index_add_(-1, rows, (inputs[..., columns].float() * delta).to(part.dtype))
+            inputs = x_flat.take(tokens * in_features + columns)
+            out_flat.index_add_(
+                0, (tokens * out_features + rows).view(-1), (inputs.float() * delta).to(out.dtype).view(-1)
+            )
         if bias is not None:
             rows, delta = (t.to(x.device) for t in bias)
-            part.index_add_(-1, rows, delta.to(part.dtype).expand(*part.shape[:-1], -1))
-        if not isinstance(index, slice):
-            out.index_copy_(0, index, part)
+            values = delta.to(out.dtype).expand(tokens.shape[0], -1).reshape(-1)
+            out_flat.index_add_(0, (tokens * out_features + rows).view(-1), values)
     return out
 
 
