@@ -167,16 +167,17 @@ def num_base_parameters(model: nn.Module) -> int:
     """All parameters of the plain model under peft's wrappers, each tensor once (tied tensors once): a wrapped layer
     counts its base layer, a ``modules_to_save`` head its original module, never an adapter's own tensors (graft
     values, scores S, head copies). The denominator of a graft's ``fraction_of_parameters``."""
-    skip: list[str] = []
+    skip: set[str] = set()  # "name." of the modules whose parameters are an adapter's
     seen: set[int] = set()
     total = 0
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if any(prefix.startswith(p) for p in skip):
+        parts = prefix.split(".")[:-1]
+        if any(".".join(parts[:end]) + "." in skip for end in range(1, len(parts) + 1)):  # in a skipped module
             continue
         if isinstance(module, (AuxiliaryTrainingWrapper, BaseTunerLayer)):
             keep = "original_module" if isinstance(module, AuxiliaryTrainingWrapper) else "base_layer"
-            skip.extend(f"{prefix}{child}." for child, _ in module.named_children() if child != keep)
+            skip.update(f"{prefix}{child}." for child, _ in module.named_children() if child != keep)
         for param in module._parameters.values():
             if param is not None and id(param) not in seen:
                 seen.add(id(param))

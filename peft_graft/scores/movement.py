@@ -217,16 +217,20 @@ class Movement(Mapping[str, torch.Tensor]):
     """``theta_ft - theta_pre`` (fp32, :func:`exact_delta`) of each tensor in ``names``, computed when looked up.
 
     :meth:`pieces` computes a tensor's movement one piece of :data:`PIECE` entries at a time, and :meth:`gather` only
-    the pieces holding given entries: the region strategies (:func:`peft_graft.regions.global_top_k`) read it so, and
-    never hold a whole tensor of theta_ft or of its movement. A lookup computes a whole tensor (kept until the next
-    lookup). Read in parameter order, a :class:`StreamedCheckpoint` opens each shard once per pass. Sizes come from
-    theta_pre (:meth:`numel`) without computing anything.
+    given entries: the region strategies (:func:`peft_graft.regions.global_top_k`) read it so, and never hold a whole
+    tensor of theta_ft or of its movement. A lookup computes a whole tensor (kept until the next lookup). Read in
+    parameter order, a :class:`StreamedCheckpoint` opens each shard once per pass. Sizes come from theta_pre
+    (:meth:`numel`) without computing anything.
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], layout: Layout, names: list[str]) -> None:
         self._state, self._layout, self._names = state, layout, list(names)
         self._known = set(self._names)
         self._last: tuple[str, torch.Tensor] | None = None
+        # Whether gather keeps its last result per tensor (sorted flat indices, movement there), to answer a later
+        # gather of some of those entries: set while the values of a learned region's search space are read.
+        self.keep_gathered = False
+        self._gathered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._known:
@@ -251,19 +255,30 @@ class Movement(Mapping[str, torch.Tensor]):
         """The fp32 movement of tensor ``name`` at the flat ``indices`` (any order), read piece by piece.
 
         :func:`exact_delta` is element-wise, so it runs on the wanted entries only: the values are those of
-        :meth:`pieces` bit for bit, at the cost of reading theta_ft rather than of differencing all of it.
+        :meth:`pieces` bit for bit, at the cost of reading theta_ft rather than of differencing all of it. With
+        ``keep_gathered``, indices all among those of the tensor's previous gather are answered from it without
+        reading theta_ft (a learned region's search space, then its ``gamma_base`` and values among it).
         """
         if name not in self._known:
             raise KeyError(name)
+        indices = indices.to(torch.int64)
+        known = self._gathered.get(name)
+        if known is not None and known[0].numel():
+            known_indices = known[0].to(indices.device)
+            at = torch.searchsorted(known_indices, indices).clamp_max(known_indices.numel() - 1)
+            if bool((known_indices[at] == indices).all()):
+                return known[1].to(indices.device)[at]
         order = indices.argsort()
-        wanted = indices[order].to(torch.int64)
-        out = torch.empty(wanted.numel(), dtype=torch.float32, device=indices.device)
+        wanted = indices[order]
+        values = torch.empty(wanted.numel(), dtype=torch.float32, device=indices.device)  # in the order of wanted
         for start, pre, finetuned in finetuned_pieces(self._state, self._layout, name):
             low, high = torch.searchsorted(wanted, torch.tensor([start, start + pre.numel()], device=wanted.device))
             if high > low:
                 local = (wanted[low:high] - start).to(pre.device)
-                out[order[low:high]] = exact_delta(pre[local], finetuned[local])[0].to(out.device)
-        return out
+                values[low:high] = exact_delta(pre[local], finetuned[local])[0].to(values.device)
+        if self.keep_gathered:
+            self._gathered[name] = (wanted, values)
+        return torch.empty_like(values).index_copy_(0, order, values)
 
     def __contains__(self, name: object) -> bool:
         return name in self._known

@@ -180,7 +180,9 @@ def _top_of_search_space(config: GraftConfig, movement: Movement, layout: Layout
     if not (config.learn_region and config.searches_subset):
         return None
     size = config.search_space_size(sum(layout.tensors[name].parameter.numel() for name in movement))
-    return top_k_movement(movement, size)
+    search = top_k_movement(movement, size)
+    movement.keep_gathered = True  # the region and the values are read among its entries: read theta_ft there once
+    return search
 
 
 def _plan_search_space(plan: Plan, movement: Movement, chosen: Region) -> None:
