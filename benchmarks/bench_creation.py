@@ -10,10 +10,11 @@ a path, as a user's fine-tuned checkpoint is), ``get_peft_model`` on a fresh cop
 - learnable: the same with ``learn_region=True, search_fraction=SEARCH_FRACTION``: the same ``gamma_base``, the
   search space of the top ``SEARCH_FRACTION`` movements and the scores S on it.
 
-One warm-up creation of each, then ``--rounds`` rounds of one creation of each back to back, the order alternating
-between rounds, in this one process (the copy of theta_pre each creation starts from is made before its clock starts).
-Printed per model: the median time of each and the median (quartiles) of the per-round ratio learnable / top-k, which
-the machine's load drifting over a run does not move as it moves a ratio of medians. ``--json`` writes every time.
+One warm-up creation of each (which checks that the learnable graft's ``gamma_base`` is the top-k graft's region),
+then ``--rounds`` rounds of one creation of each back to back, the order alternating between rounds, in this one
+process (the copy of theta_pre each creation starts from is made before its clock starts). Printed per model: the
+median time of each and the median (quartiles) of the per-round ratio learnable / top-k, which the machine's load
+drifting over a run does not move as it moves a ratio of medians. ``--json`` writes every time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from bench_graft import paired_ratios  # noqa: E402
 from bench_models import DEFAULT_CACHE, check_pretrained, load_pretrained, prepare_finetuned  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 
-from peft_graft import GraftConfig  # noqa: E402
+from peft_graft import GraftConfig, Region  # noqa: E402
 
 SIZES = ["llama-22m", "llama-125m", "llama-400m"]
 QUICK_SIZES = ["llama-0.4m", "llama-2m"]
@@ -50,17 +51,19 @@ VARIANTS = {
 }
 
 
-def create_once(pre: torch.nn.Module, finetuned: str, variant: str) -> float:
-    """Seconds of one ``get_peft_model`` of ``variant`` on a fresh copy of ``pre`` (the copy is not timed)."""
+def create_once(pre: torch.nn.Module, finetuned: str, variant: str) -> tuple[float, Region]:
+    """Seconds of one ``get_peft_model`` of ``variant`` on a fresh copy of ``pre`` (the copy is not timed), and the
+    graft's region (``gamma_base`` for the learnable one: S starts there)."""
     base = copy.deepcopy(pre)
     gc.collect()
     config = GraftConfig(finetuned=finetuned, sparsity=SPARSITY, task_type="CAUSAL_LM", **VARIANTS[variant])
     start = time.perf_counter()
     model = get_peft_model(base, config)
     elapsed = time.perf_counter() - start
+    region = model.get_region()
     del model, base
     gc.collect()
-    return elapsed
+    return elapsed, region
 
 
 def measure(name: str, rounds: int, cache: str) -> dict:
@@ -70,12 +73,15 @@ def measure(name: str, rounds: int, cache: str) -> dict:
     check_pretrained(pre, finetuned)
     parameters = sum(p.numel() for p in pre.parameters())
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    for variant in VARIANTS:  # warm-up: first-call costs (imports, regex caches, page cache of theta_ft)
-        create_once(pre, str(finetuned), variant)
+    # Warm-up (first-call costs: imports, regex caches, the page cache of theta_ft), and the check that both are the
+    # same graft: the learnable one's gamma_base is the top-k region.
+    regions = {variant: create_once(pre, str(finetuned), variant)[1] for variant in VARIANTS}
+    if regions["learnable"] != regions["topk"]:
+        raise RuntimeError(f"{name}: the learnable graft's gamma_base is not the top-k graft's region.")
     for round_ in range(rounds):
         order = list(VARIANTS) if round_ % 2 == 0 else list(reversed(VARIANTS))
         for variant in order:
-            times[variant].append(create_once(pre, str(finetuned), variant))
+            times[variant].append(create_once(pre, str(finetuned), variant)[0])
         print(f"{name} round {round_ + 1}/{rounds}: " + ", ".join(f"{v} {times[v][-1]:.2f} s" for v in VARIANTS))
     return {
         "model": name,

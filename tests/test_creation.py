@@ -3,7 +3,9 @@ deltas, one stable sort of every entry), and it reads theta_ft about as often as
 
 from __future__ import annotations
 
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +150,7 @@ def test_top_k_within_an_earlier_top_k_and_the_strided_sample_give_the_simple_to
         assert top_k_movement(movement, k, within=top_k_movement(movement, max(1, k // 2))) == expected  # too small
         assert global_top_k(movement, k, key=torch.abs, sample_size=64) == expected  # sampled through gather
         assert global_top_k(plain, k, key=torch.abs, sample_size=64) == expected
+        assert top_k_movement(plain, k, within=top_k_movement(plain, 2 * k)) == expected  # tensors, no gather
 
 
 def counted_deltas(monkeypatch) -> list[int]:
@@ -198,3 +201,14 @@ def test_learnable_graft_differences_theta_ft_about_as_often_as_the_top_k_graft(
     config = GraftConfig(finetuned=finetuned, num_entries=10, learn_region=True, search_entries=300)
     get_peft_model(clone_model(pre), config)
     assert top_k < sum(counts) <= top_k + 300
+
+
+def test_creation_benchmark_pairs_the_two_creations(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_creation
+
+    row = bench_creation.measure("llama-0.4m", 3, str(tmp_path))
+    assert [len(row["times_s"][v]) for v in ("topk", "learnable")] == [3, 3]
+    ratios = sorted(a / b for a, b in zip(row["times_s"]["learnable"], row["times_s"]["topk"], strict=True))
+    assert row["learnable_over_topk"] == round(ratios[1], 3)  # the median of the paired ratios
+    assert "| llama-0.4m | 0.4M |" in bench_creation.markdown([row])[2]
