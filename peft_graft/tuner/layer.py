@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
-from peft.utils.other import ModulesToSaveWrapper
+from peft.utils.other import ModulesToSaveWrapper, _set_layer_requires_grad
 from torch import nn
 from torch.nn import functional as F
 
@@ -301,13 +301,22 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def set_adapter(self, adapter_names: str | list[str], inference_mode: bool = False) -> None:
         """peft's ``set_adapter``; the hard values of an adapter learning its region stay frozen (unused then). A packed
         adapter activated without ``inference_mode`` is unpacked first: peft makes its values trainable."""
-        if not inference_mode:
-            for adapter_name in [adapter_names] if isinstance(adapter_names, str) else adapter_names:
+        names = [adapter_names] if isinstance(adapter_names, str) else adapter_names
+        if not inference_mode and self.packed:
+            for adapter_name in names:
                 self.unpack(adapter_name)
-        super().set_adapter(adapter_names, inference_mode=inference_mode)
-        for adapter_name in self.graft_learning:
-            if adapter_name in self.graft_values:
-                self.graft_values[adapter_name].requires_grad_(False)
+        # peft's loop (requires_grad = active and not inference_mode, leaves only), run over the containers' dicts and
+        # writing only flags that change: switching among many loaded grafts costs a check per tensor (issue 38).
+        modules = self._modules
+        learners = modules["graft_learning"]._modules
+        for adapter_name, values in modules["graft_values"]._parameters.items():
+            trainable = not inference_mode and adapter_name in names and adapter_name not in learners
+            if values.requires_grad != trainable and values.is_leaf:
+                values.requires_grad_(trainable)
+        for adapter_name, learner in learners.items():
+            _set_layer_requires_grad(learner, not inference_mode and adapter_name in names)
+        self._freeze_non_trainable_peft_weights(names)
+        object.__setattr__(self, "_active_adapter", names)  # a plain attribute: no need of nn.Module's checks
 
     def set_requires_grad(self, adapter_names: str | list[str], requires_grad: bool = True) -> None:
         """peft's ``set_requires_grad``; packed adapters made trainable are unpacked first."""

@@ -230,14 +230,15 @@ class GraftModel(BaseTuner):
         """Activate adapter(s), as peft's ``set_adapter`` does, without walking every module of the model each time.
 
         The graft layers and ``modules_to_save`` wrappers are found once per set of adapters (peft walks all modules
-        twice per call), so switching between loaded grafts takes well under a millisecond.
+        twice per call), and each layer writes only the ``requires_grad`` flags that change (peft writes every
+        adapter's): a switch costs a flag check per adapter tensor.
         """
         layers, wrappers = self._adapter_modules()
         for wrapper in wrappers:  # as peft.utils.other._set_adapter
             name = wrapper.check_set_adapter(adapter_name)
             wrapper.set_adapter(name if name in wrapper._adapters else [], inference_mode=inference_mode)
         for layer in layers:
-            if layer.merged:
+            if layer.merged_adapters:
                 warnings.warn("Adapter cannot be set while merged: unmerging first.", stacklevel=2)
                 layer.unmerge()
             layer.set_adapter(adapter_name, inference_mode=inference_mode)
