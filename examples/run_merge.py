@@ -327,6 +327,7 @@ class Evaluator:
         cache_key = f"{label} | {split}"
         if cache_key not in self.cache:
             merged = build()
+            self.model.set_adapter(merged.adapter_name)  # merge_grafts adds the adapter; it scores only when active
             scores = {"entries": merged.num_entries, "bytes": merged.nbytes["total"]}
             for name in merged.tasks:
                 scores[name] = self.score(name, split)

@@ -101,6 +101,10 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
     for row in merge["test"].values():
         assert all(0.0 <= row[t]["accuracy"] <= 100.0 and row[t]["ece"] >= 0 for t in run_merge.TASKS)
         assert sum(row["trec"]["predicted"]) == 24 and len(row["trec"]["predicted"]) == 6
+    own = merge["interference"]["own graft"]  # a "merge" of one task's L&S graft is that graft: the merge is scored
+    for task in run_merge.TASKS:
+        assert own[task]["accuracy"] == results["individual"][task]["ls"]["test"]["accuracy"]
+        assert own[task]["ece"] == pytest.approx(results["individual"][task]["ls"]["test"]["ece"], abs=1e-3)
     disjoint = merge["regions"]["disjoint"]
     assert disjoint["shared_entries"] == 0  # regions that do not collide
     assert all(disjoint["overlap_matrix"][i][j] == (1.0 if i == j else 0.0) for i in range(4) for j in range(4))
