@@ -20,6 +20,7 @@ import bench_mask_step as B  # noqa: E402
 import bench_models as M  # noqa: E402
 
 TINY = "llama-0.4m"
+SWITCHES = ("RECOMPUTE_SOFT_PARAMETERS", "GRAFT_EMBEDDING_ROWS", "GRAFT_SPARSE_LINEAR")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,10 +56,12 @@ def test_rebuilt_theta_pre_is_checked_against_the_cache(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
-def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path):
+def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path, monkeypatch):
+    for owner, name in [(B.LinearPattern, "sparse_is_cheaper"), *((B.graft_layer, s) for s in SWITCHES)]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # the variants set them: restored after the test
     M.prepare_finetuned(TINY, "float32", str(tmp_path))
     plain = B.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
-    mask = B.run_variant(TINY, "0.01", 1, "cpu", "float32", str(tmp_path))
+    mask = B.run_variant(TINY, "0.01:sparse", 1, "cpu", "float32", str(tmp_path))  # (its tiny layers: copy cheaper)
     dense = B.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
     for result in (plain, mask, dense):
         assert len(result["times_s"]) == 1 and result["peak_gb"] > 0

@@ -252,6 +252,18 @@ class RecomputeSoftParameters(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
+SPARSE_LINEAR_COSTS = {"product": 40.0, "layout": 470.0, "copy": 93.0, "call": 1.5e7, "margin": 1.1}
+"""The cost model of :meth:`LinearPattern.sparse_is_cheaper`, in multiply-adds of a dense fp32 matrix product (the
+unit): per weight entry of the search space and token, the three CSR products (``product``); per token and feature (in
+plus out), the transposed copies they need (``layout``); per weight entry, the copy of theta_pre and the write of the
+dense weight gradient (``copy``); the sparse path's extra fixed cost per layer call (``call``). Fitted to forward plus
+backward times of one layer, both paths, shapes 384-3072 x 384-3072, 32-2048 tokens, 0.2-5% of the weight in the search
+space (torch 2.13 CPU, AVX2, one thread; ``benchmarks/bench_mask_step.py --layers`` measures them). The sparse path
+keeps no copy of the weight for backward, so it is taken unless the copy is estimated ``margin`` times cheaper: in a
+whole RoBERTa-base step at 4 x 32 tokens its 768 x 768 layers, 6% apart by the model, were faster sparse. Where the
+rule picks the slower path in the grid, the two differ by at most 10% of the layer's step (0.3% on average)."""
+
+
 class LinearPattern:
     """Where a search space falls in a linear layer's weight (``[out, in]``) and bias, as sparse CSR patterns.
 
@@ -274,6 +286,25 @@ class LinearPattern:
         if bias is not None:
             a, b, local = bias
             self.bias_slice, self.bias_index = (a, b), local
+
+    def sparse_is_cheaper(self, tokens: int) -> bool:
+        """Whether :class:`SparseLinearDelta` costs less than the soft weight copy (:class:`GraftedSearchSpace`) for a
+        batch of ``tokens`` rows (examples x positions), by the cost model of :data:`SPARSE_LINEAR_COSTS`.
+
+        The copy path adds a copy of the weight and its dense gradient (one more matrix product); the sparse path three
+        CSR products over the search space's weight entries and copies of the input and output in the layouts they
+        need. So the sparse path pays for small batches and sparse layers, the copy for large batches (all-MiniLM-L6-v2
+        at 32 x 64 tokens) and dense ones. A search space only in the bias always takes the sparse path (no weight
+        copy either way).
+        """
+        if self.weight_slice is None:
+            return True
+        out_features, in_features = self.shape
+        costs = SPARSE_LINEAR_COSTS
+        a, b = self.weight_slice
+        sparse = (b - a) * tokens * costs["product"] + tokens * (in_features + out_features) * costs["layout"]
+        copy = out_features * in_features * (tokens + costs["copy"])
+        return sparse + costs["call"] < copy * costs["margin"]
 
     def weight(self, values: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         """The sparse ``dW`` (or ``dW.T``) with ``values`` in search-space order."""
@@ -304,14 +335,20 @@ class SparseLinearDelta(torch.autograd.Function):
         ctx.pattern = pattern
         ctx.values = values = _soft_delta(scores, movement, base)
         x2 = x.detach().reshape(-1, x.shape[-1]).float()
-        out = torch.zeros(x2.shape[0], pattern.shape[0], dtype=torch.float32, device=x.device)
-        if pattern.weight_slice is not None:
-            a, b = pattern.weight_slice
-            out += torch.sparse.mm(pattern.weight(values[a:b]), x2.t()).t()
+        tokens, out_features = x2.shape[0], pattern.shape[0]
+        bias = None
         if pattern.bias_slice is not None:
             a, b = pattern.bias_slice
-            out.index_add_(1, pattern.bias_index, values[a:b].expand(out.shape[0], -1))
-        return out.to(x.dtype).reshape(*x.shape[:-1], pattern.shape[0])
+            bias = torch.zeros(out_features, dtype=torch.float32, device=x.device)
+            bias.index_add_(0, pattern.bias_index, values[a:b])
+        if pattern.weight_slice is None:
+            out_t = bias.unsqueeze(1).expand(-1, tokens)  # no copy: the caller's addition reads it
+        else:  # [out, tokens]: the layout the CSR product writes; returned transposed, read once by the caller's add
+            a, b = pattern.weight_slice
+            out_t = torch.sparse.mm(pattern.weight(values[a:b]), x2.t().contiguous())
+            if bias is not None:
+                out_t += bias.unsqueeze(1)
+        return out_t.t().to(x.dtype).reshape(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -760,8 +760,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
     def _sparse_linear_source(self) -> tuple[GraftLayer, str] | None:
         """``(source layer, adapter)`` while a plain, frozen ``nn.Linear`` on the CPU learns a search space (its only
         active adapter, on one source layer): then its soft forward is the base forward plus ``SparseLinearDelta``,
-        with no dense copy of the weight and no dense weight gradient. On a GPU the dense copy is faster: on an H200 a
-        1B mask step took 3.6-10x a plain SGD step with the sparse products, 1.6x with the copy (BENCHMARKS.md)."""
+        with no dense copy of the weight and no dense weight gradient, where that is cheaper for the layer and batch
+        (fp32: ``LinearPattern.sparse_is_cheaper``; otherwise the soft weight copy). On a GPU the dense copy is faster:
+        on an H200 a 1B mask step took 3.6-10x a plain SGD step with the sparse products, 1.6x with the copy
+        (BENCHMARKS.md)."""
         base = self.base_layer
         if not GRAFT_SPARSE_LINEAR or not torch.is_grad_enabled() or type(base).forward is not nn.Linear.forward:
             return None
@@ -783,8 +785,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         sources = self._sources()
         attrs = tuple(sources[attr][1] if attr in sources else None for attr in ("weight", "bias"))
         base = self.base_layer
+        learner, shape = layer.graft_learning[adapter_name], (base.out_features, base.in_features)
+        # fp32: the cheaper of the two paths for this layer and batch, which agree to rounding; in lower precision the
+        # copy rounds theta_pre + gamma * delta to the weight's dtype, so the path must not depend on the batch.
+        pattern = learner.linear_pattern(attrs, shape, input.device)
+        if base.weight.dtype == torch.float32 and not pattern.sparse_is_cheaper(input.numel() // base.in_features):
+            overrides = self.effective_parameters(self.active_adapters)  # the soft weight copy (GraftedSearchSpace)
+            return torch.func.functional_call(base, overrides, (input,), tie_weights=False, strict=False)
         out = base(input)
-        delta = layer.graft_learning[adapter_name].linear_delta(input, attrs, (base.out_features, base.in_features))
+        delta = learner.linear_delta(input, attrs, shape)
         return out if delta is None else out + delta
 
     def _embedding_rows_forward(self, adapter_name: str, input: torch.Tensor) -> torch.Tensor:

@@ -156,16 +156,24 @@ class RegionLearner(nn.Module):
         (see ``SparseLinearDelta``); ``attrs``: the tensors of this learner's layer that the linear layer uses as its
         weight and bias (``None``: not grafted); ``shape``: ``(out_features, in_features)``. ``None`` when the search
         space has no entry in them."""
-        key = (attrs, shape, x.device)
-        pattern = self._linear_patterns.get(key)
-        if pattern is None:
-            parts = dict(self._search_parts(x.device))
-            weight, bias = (parts.get(attr) if attr else None for attr in attrs)
-            pattern = self._linear_patterns[key] = LinearPattern(weight, bias, *shape)
+        pattern = self.linear_pattern(attrs, shape, x.device)
         if pattern.weight_slice is None and pattern.bias_slice is None:
             return None
         base = self.base_region.to(x.device)
         return SparseLinearDelta.apply(x, self.scores, self._movement(), base, pattern)
+
+    def linear_pattern(
+        self, attrs: tuple[str | None, str | None], shape: tuple[int, int], device: torch.device
+    ) -> LinearPattern:
+        """Where the search space falls in a linear layer's weight and bias (arguments as :meth:`linear_delta`), cached;
+        its ``sparse_is_cheaper(tokens)`` tells whether :meth:`linear_delta` pays for a batch."""
+        key = (attrs, shape, device)
+        pattern = self._linear_patterns.get(key)
+        if pattern is None:
+            parts = dict(self._search_parts(device))
+            weight, bias = (parts.get(attr) if attr else None for attr in attrs)
+            pattern = self._linear_patterns[key] = LinearPattern(weight, bias, *shape)
+        return pattern
 
     def soft_rows(self, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (sorted, unique) of an embedding's soft matrix, differentiable in S (see ``GraftedRows``)."""
