@@ -52,7 +52,8 @@ def global_top_k(
     same sample is tried (another pass), down to every entry. Memory: about 12 bytes per collected entry.
 
     Tensors are read through :func:`flat_pieces`, so a mapping that computes them (the movement of a checkpoint on
-    disk) can hand them over in pieces and never hold a whole one.
+    disk) can hand them over in pieces and never hold a whole one; the sample through :func:`strided_entries`, so such
+    a mapping computes only the sampled entries.
     """
     if k < 1:
         raise ValueError(f"The budget k must be at least 1, got {k}.")
