@@ -8,18 +8,24 @@ Figures (protocol and results in BENCHMARKS.md):
   piece by piece as they read it). Runs in its own process; the added RSS is the
   peak during creation minus the RSS just before it (the peak is reset through ``/proc/self/clear_refs``).
 - ``disk``: bytes per grafted entry of ``adapter_model.safetensors``, header excluded.
-- ``switch``: switching between two loaded grafts of 12,500 entries: ``set_adapter`` (unmerged inference) and
-  unmerge + merge (merged inference).
+- ``switch``: ``set_adapter`` (unmerged inference) between two loaded grafts of 12,500 entries without heads, and
+  among 8 loaded grafts of 0.01% of every tensor each with its own classification head (``modules_to_save``),
+  timed call by call in turn: medians, quartiles and the paired ratio; then unmerge + set_adapter + merge (merged
+  inference) between the two. ``--compare_with CHECKOUT`` times ``set_adapter`` against another checkout of the
+  package instead (e.g. ``git worktree add /tmp/old <commit>``): a server process each, asked for rounds of
+  switches in turn, the ratio of the rounds' medians.
 - ``forward``: forward latency (batch 4 x 32, ``inference_mode``) against the base model's: an unmerged graft; two
   unmerged grafts served in turn (``set_adapter`` before each forward, timed with it); a merged graft. Each forward is
   timed right after one of the base model, and the figure is the median (and quartiles) of those pairs' ratios.
 
-Usage: ``python benchmarks/bench_graft.py [--parts topk disk switch forward] [--repeats 15]``
+Usage: ``python benchmarks/bench_graft.py [--parts topk disk switch forward] [--repeats 15] [--compare_with DIR]
+[--folder DIR]`` (``--folder``: where the switch part keeps its saved grafts, reused by later runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,17 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers import RobertaConfig, RobertaForSequenceClassification
 from transformers.utils import logging as hf_logging
 
-import peft_graft  # noqa: F401  (registers the graft method)
+import peft_graft  # registers the graft method
 from peft_graft import GraftConfig
 from peft_graft.regions import top_k_movement
 from peft_graft.scores import compute_movement, eligible_tensors
 
 NUM_ENTRIES = 12_500  # sparsity 1e-4 of the 125M parameters
+HEAD_GRAFTS = 8  # the switch part's grafts with their own heads
 BATCH, SEQ_LEN = 4, 32
 
 
@@ -57,10 +65,15 @@ def reset_peak_rss() -> None:
         handle.write("5")
 
 
+def pretrained(seed: int = 0) -> torch.nn.Module:
+    """A random RoBERTa-base-sized classifier, the same for the same seed."""
+    torch.manual_seed(seed)
+    return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).eval()
+
+
 def make_pair(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A random RoBERTa-base-sized classifier and a "fine-tuned" state dict: every entry moved by noise."""
-    torch.manual_seed(seed)
-    pre = RobertaForSequenceClassification(RobertaConfig(num_labels=2)).eval()
+    pre = pretrained(seed)
     generator = torch.Generator().manual_seed(seed + 1)
     finetuned = {}
     for name, tensor in pre.state_dict().items():
@@ -157,29 +170,105 @@ def part_disk() -> dict:
     }
 
 
-def part_switch(repeats: int) -> dict:
+SWITCH_CASES = {
+    "two_grafts": ["default", "b"],
+    f"{HEAD_GRAFTS}_grafts_with_heads": [f"g{i}" for i in range(HEAD_GRAFTS)],
+}
+"""The switch part's sets of grafts, by case: their adapter names (see ``save_switch_grafts``)."""
+
+
+def save_switch_grafts(folder: str) -> None:
+    """Create the switch part's grafts and save each set under ``folder/<case>``: two grafts of 12,500 entries (top-k)
+    without heads; 8 grafts of 0.01% of every tensor (``bench_mixed_batch.graft_config``), each with its own
+    classification head stored whole."""
+    from bench_mixed_batch import graft_config as region_graft_config
     from peft import get_peft_model
 
-    pre, finetuned_a = make_pair()
+    pre, finetuned = make_pair()
     _, finetuned_b = make_pair(seed=7)
-    model = get_peft_model(pre, graft_config(finetuned_a, modules_to_save=None))
-    with tempfile.TemporaryDirectory() as folder:
-        other = graft_config(finetuned_b, modules_to_save=None)
-        model.add_adapter("b", other)
-        model.save_pretrained(folder)  # both adapters, then reload "b" as a loaded graft
-        model.delete_adapter("b")
-        model.load_adapter(os.path.join(folder, "b"), adapter_name="b")
-    names = ["default", "b"]
-    state = {"i": 0}
+    model = get_peft_model(pre, graft_config(finetuned, modules_to_save=None))
+    model.add_adapter("b", graft_config(finetuned_b, modules_to_save=None))
+    model.save_pretrained(os.path.join(folder, "two_grafts"))
+    del model, pre, finetuned_b
+    names = SWITCH_CASES[f"{HEAD_GRAFTS}_grafts_with_heads"]
+    model = get_peft_model(pretrained(), region_graft_config(finetuned, 1e-4, seed=0), adapter_name=names[0])
+    for seed, name in enumerate(names[1:], 1):
+        model.add_adapter(name, region_graft_config(finetuned, 1e-4, seed=seed))
+    model.save_pretrained(os.path.join(folder, f"{HEAD_GRAFTS}_grafts_with_heads"))
 
-    def set_adapter():
-        state["i"] ^= 1
-        model.set_adapter(names[state["i"]])
 
-    set_adapter()
-    set_s = timed(set_adapter, repeats * 20)
-    model.set_adapter("default")
+def adapter_folder(folder: str, case: str, name: str) -> str:
+    """Where ``save_pretrained`` put adapter ``name`` of ``case`` ("default" at the top, the others in sub-folders)."""
+    return os.path.join(folder, case, *([] if name == "default" else [name]))
+
+
+@contextlib.contextmanager
+def switch_grafts(folder: str | None) -> Iterator[str]:
+    """A folder holding the switch part's saved grafts: ``folder`` (they are created there first unless every one is
+    there already), or a temporary folder."""
+    if folder is None:
+        with tempfile.TemporaryDirectory() as temporary:
+            save_switch_grafts(temporary)
+            yield temporary
+        return
+    saved = [adapter_folder(folder, case, name) for case, names in SWITCH_CASES.items() for name in names]
+    if not all(os.path.isfile(os.path.join(path, "adapter_config.json")) for path in saved):
+        save_switch_grafts(folder)
+    yield folder
+
+
+def switch_cases(folder: str) -> dict:
+    """The saved grafts of each case loaded onto a base model of their own (``load_adapter``, as for serving):
+    ``(model, adapter names)`` by case."""
+    from peft import PeftModel
+
+    cases = {}
+    for case, names in SWITCH_CASES.items():
+        model = PeftModel.from_pretrained(pretrained(), adapter_folder(folder, case, names[0]), adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(adapter_folder(folder, case, name), adapter_name=name)
+        cases[case] = (model, names)
+    return cases
+
+
+def switch_times(cases: dict, count: int) -> dict[str, list[float]]:
+    """``count`` timed ``set_adapter`` calls per case, alternating between the cases call by call; each call switches
+    its model to the next of its grafts in turn. A first round over every graft (unpacking loaded ones) is not timed."""
+    times = {case: [] for case in cases}
+    for step in range(-max(len(names) for _, names in cases.values()), count):
+        for case, (model, names) in cases.items():
+            start = time.perf_counter()
+            model.set_adapter(names[step % len(names)])
+            if step >= 0:
+                times[case].append(time.perf_counter() - start)
+    return times
+
+
+def quartiles_ms(name: str, times: list[float]) -> dict:
+    """The median and quartiles of ``times`` in ms."""
+    quartiles = statistics.quantiles(times, n=4)
+    return {
+        f"{name}_ms": round(1e3 * quartiles[1], 4),
+        f"{name}_ms_quartiles": [round(1e3 * q, 4) for q in quartiles[::2]],
+    }
+
+
+def part_switch(repeats: int, folder: str | None = None) -> dict:
+    with switch_grafts(folder) as saved:
+        cases = switch_cases(saved)
+    times = switch_times(cases, repeats * 20)
+    result = {
+        "entries_per_graft": {case: model.get_region(names[1]).num_entries for case, (model, names) in cases.items()}
+    }
+    for case, case_times in times.items():
+        result.update(quartiles_ms(f"{case}_set_adapter", case_times))
+    heads = f"{HEAD_GRAFTS}_grafts_with_heads"
+    result.update(paired_ratios(f"{heads}_over_two_grafts", times[heads], times["two_grafts"]))
+    model, names = cases["two_grafts"]
+    del cases
+    model.set_adapter(names[0])
     model.merge_adapter()
+    state = {"i": 0}
 
     def merged_switch():
         state["i"] ^= 1
@@ -188,12 +277,58 @@ def part_switch(repeats: int) -> dict:
         model.merge_adapter()
 
     merged_switch()
-    merged_s = timed(merged_switch, repeats)
-    return {
-        "entries_per_graft": model.get_region("b").num_entries,
-        "set_adapter_ms": round(1e3 * statistics.median(set_s), 4),
-        "unmerge_set_merge_ms": round(1e3 * statistics.median(merged_s), 3),
-    }
+    result["unmerge_set_merge_ms"] = round(1e3 * statistics.median(timed(merged_switch, repeats)), 3)
+    return result
+
+
+def switch_server(folder: str) -> None:
+    """Child of ``--compare_with``: loads the switch cases saved in ``folder``, prints a ready line (the
+    ``peft_graft`` it imported), then for each line ``N`` read from stdin prints the JSON of
+    ``switch_times(cases, N)``."""
+    cases = switch_cases(folder)
+    print(json.dumps({"peft_graft": os.path.dirname(os.path.dirname(peft_graft.__file__))}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(switch_times(cases, int(line))), flush=True)
+
+
+def compare_switch(checkout: str, repeats: int, folder: str | None = None, rounds: int = 20) -> dict:
+    """``set_adapter`` with this checkout's ``peft_graft`` against ``checkout``'s (e.g. ``git worktree add /tmp/old
+    <commit>``): one server process each (``switch_server``) on the same saved grafts, asked in turn for
+    ``20 * repeats`` switches per round, which of them goes first alternating; the ratio of the two rounds' medians,
+    per case, over ``rounds`` rounds."""
+    roots = {"this": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "other": os.path.abspath(checkout)}
+    command = [sys.executable, __file__, "--child", "switch_server", "--folder"]
+    with switch_grafts(folder) as saved:  # created by this checkout, loaded by both
+        servers = {  # PYTHONPATH: ahead of the installed (editable) package
+            label: subprocess.Popen(
+                [*command, saved],
+                env={**os.environ, "PYTHONPATH": root},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for label, root in roots.items()
+        }
+        try:
+            result = {
+                f"{label}_peft_graft": json.loads(s.stdout.readline())["peft_graft"] for label, s in servers.items()
+            }
+            medians = {label: {} for label in servers}
+            for round_ in range(rounds):
+                for label in ("this", "other") if round_ % 2 else ("other", "this"):
+                    servers[label].stdin.write(f"{20 * repeats}\n")
+                    servers[label].stdin.flush()
+                    for case, times in json.loads(servers[label].stdout.readline()).items():
+                        medians[label].setdefault(case, []).append(statistics.median(times))
+        finally:
+            for server in servers.values():
+                server.stdin.close()
+                server.wait()
+    for case in SWITCH_CASES:
+        result.update(quartiles_ms(f"{case}_set_adapter_this", medians["this"][case]))
+        result.update(quartiles_ms(f"{case}_set_adapter_other", medians["other"][case]))
+        result.update(paired_ratios(f"{case}_this_over_other", medians["this"][case], medians["other"][case]))
+    return result
 
 
 def part_forward(repeats: int) -> dict:
@@ -258,18 +393,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--compare_with", metavar="CHECKOUT", help="switch part only: time against this checkout")
+    parser.add_argument("--child", choices=[*PARTS, "switch_server"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help="switch part: keep its saved grafts here (reused when present)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     hf_logging.set_verbosity_error()
+    if args.child == "switch_server":
+        switch_server(args.folder)
+        return
     if args.child:
         part = PARTS[args.child]
-        result = part() if args.child == "disk" else part(args.repeats)
+        arguments = {"disk": (), "switch": (args.repeats, args.folder)}.get(args.child, (args.repeats,))
+        result = part(*arguments)
         print(json.dumps(result))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {NUM_ENTRIES} grafted entries")
+    if args.compare_with:
+        print("switch", json.dumps(compare_switch(args.compare_with, args.repeats, args.folder), indent=2))
+        return
     for name in args.parts:  # each part in its own process, so peak memory is its own
         command = [sys.executable, __file__, "--child", name, "--repeats", str(args.repeats)]
+        command += ["--folder", args.folder] if args.folder else []
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         print(name, json.dumps(json.loads(output.strip().splitlines()[-1]), indent=2))
 
