@@ -53,7 +53,8 @@ class GraftedTensors(torch.autograd.Function):
             else:
                 torch.mul(g.reshape(-1), movement[a:b], out=grad[a:b])
         sigmoid = RECOMPUTED_SIGMOID.take(scores)
-        grad = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(scores.detach()) if sigmoid is None else sigmoid)
+        sigmoid = torch.sigmoid(scores.detach()) if sigmoid is None else sigmoid
+        torch.ops.aten.sigmoid_backward.grad_input(grad, sigmoid, grad_input=grad)  # in place: one S-sized tensor less
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
         return (grad, None, None, None, None, *([None] * len(grads)))
