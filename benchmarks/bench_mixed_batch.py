@@ -5,17 +5,16 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
 
 - ``design``: the two ways to apply 8 grafts to one batch, measured on RoBERTa-base's two Linear shapes (768 -> 768
   and 768 -> 3072) over 4,096 tokens, with grafts of 0.01%, 0.1% and 1% of the weight: (a) the base layer once per
-  graft's examples with that graft's entries written in place (the ``"exact"`` mode); (b) the base layer once for the
-  whole batch plus each graft's sparse delta added to its examples' outputs (the ``"sparse_delta"`` mode,
-  ``y_i[:, rows] += x_i[:, cols] * dW[rows, cols]`` by ``index_add_``). Ratios to the base layer, and (b)'s largest
-  difference from (a).
+  graft's examples with that graft's entries written in place (what the library does, bit-exact per example); (b) the
+  base layer once for the whole batch plus each graft's sparse delta added to its examples' outputs
+  (``y_i[:, rows] += x_i[:, cols] * dW[rows, cols]``, one gather and one ``index_add_`` per graft over flat indices).
+  Ratios to the base layer, and (b)'s largest difference from (a).
 - ``mixed``: 8 grafts of 0.01% (0.01% of every tensor, about 12,500 entries, each with its own classification head
-  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch), in both modes, one graft for the
-  whole batch, and peft LoRA (r = 8 on query and value, 8 adapters, the shared head: peft's mixed batches refuse a
-  RoBERTa head per adapter), each against the base model's forward on the same batch; and the largest logit difference
-  between the two modes.
+  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch), one graft for the whole batch, and
+  peft LoRA (r = 8 on query and value, 8 adapters, the shared head: peft's mixed batches refuse a RoBERTa head per
+  adapter), each against the base model's forward on the same batch.
 - ``scaling``: the mixed batch with 1, 8 and 32 distinct grafts of 0.01% (LoRA beside it with as many adapters), and
-  with 8 grafts of 0.001%, 0.1% and 1%, both modes.
+  with 8 grafts of 0.001%, 0.1% and 1%.
 - ``memory`` (its own process): 1,000 grafts of 0.01% without heads (sparse entries only) loaded with
   ``load_adapter`` onto one base: peak RSS over the loaded base against the adapters' file sizes, load time per
   graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
@@ -50,7 +49,6 @@ from bench_graft import make_pair, paired_ratios, peak_rss_mb, reset_peak_rss, r
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig, Region
-from peft_graft.tuner.mixed_batch import add_deltas
 
 BATCH, SEQ_LEN, GROUPS = 32, 128, 8
 SOURCES = 10  # distinct saved grafts behind the memory part's thousand
@@ -97,9 +95,23 @@ def plain_copy(pre: torch.nn.Module) -> torch.nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ parts
+def add_deltas(out: torch.Tensor, x: torch.Tensor, groups: list[tuple[torch.Tensor, tuple]]) -> torch.Tensor:
+    """Design (b): ``out`` (the base layer's output on ``x``) with each group's sparse delta added to its examples'
+    rows, touching only the entries' elements (one gather of ``x`` and one ``index_add_`` into ``out`` per group, over
+    flat indices)."""
+    batch_size, in_features, out_features = x.shape[0], x.shape[-1], out.shape[-1]
+    x_flat, out_flat = x.contiguous().view(-1), out.view(-1)
+    length = x.numel() // (batch_size * in_features)
+    positions = torch.arange(length)
+    for examples, (rows, columns, delta) in groups:
+        tokens = (examples[:, None] * length + positions).view(-1, 1)
+        inputs = x_flat.take(tokens * in_features + columns)
+        out_flat.index_add_(0, (tokens * out_features + rows).view(-1), (inputs * delta).view(-1))
+    return out
+
+
 def design_variants(layer: torch.nn.Linear, x: torch.Tensor, groups: list[torch.Tensor], grafts: list[tuple]):
-    """The two designs for one Linear: ``(in place per group, base output plus sparse deltas)``, the second by the
-    library's ``"sparse_delta"`` mode's own ``add_deltas``."""
+    """The two designs for one Linear: ``(in place per group, base output plus sparse deltas)``."""
     weight = layer.weight.data.view(-1)
 
     def in_place():
@@ -115,9 +127,7 @@ def design_variants(layer: torch.nn.Linear, x: torch.Tensor, groups: list[torch.
             y.index_copy_(0, index, part)
         return y
 
-    deltas = [
-        (index, ((rows, cols, delta), None)) for index, (_, rows, cols, delta) in zip(groups, grafts, strict=True)
-    ]
+    deltas = [(index, (rows, cols, delta)) for index, (_, rows, cols, delta) in zip(groups, grafts, strict=True)]
 
     def sparse_deltas():
         return add_deltas(layer(x), x, deltas)
@@ -191,17 +201,10 @@ def lora_model(base, distinct: int):
 
 
 def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
-    """The graft model's mixed batch in both modes, one graft for the whole batch, and LoRA's mixed batch."""
+    """The graft model's mixed batch, one graft for the whole batch, and LoRA's mixed batch."""
     names = [f"g{i % distinct}" for i in range(BATCH)]
 
-    def graft(mode: str):
-        def run():
-            model.set_mixed_batch_mode(mode)
-            return forward(model, inputs, adapter_names=names)
-
-        return run
-
-    variants = {"graft_exact": graft("exact"), "graft_sparse_delta": graft("sparse_delta")}
+    variants = {"graft": lambda: forward(model, inputs, adapter_names=names)}
     if distinct == GROUPS:
         variants["graft_single"] = lambda: forward(model, inputs)
     if lora is not None:
@@ -220,16 +223,11 @@ def part_mixed(repeats: int) -> dict:
     result = {"entries_per_graft": model.get_region("g0").num_entries}
     times = rounds(mixed_variants(model, lora, inputs, GROUPS), lambda: forward(base, inputs), repeats)
     result.update(ratios("mixed_8", times))
-    names = [f"g{i % GROUPS}" for i in range(BATCH)]
-    exact = (model.set_mixed_batch_mode("exact"), forward(model, inputs, adapter_names=names))[1]
-    fast = (model.set_mixed_batch_mode("sparse_delta"), forward(model, inputs, adapter_names=names))[1]
-    result["sparse_delta_max_abs_logit_difference"] = float((fast - exact).abs().max())
-    result["sparse_delta_same_argmax"] = bool(torch.equal(fast.argmax(-1), exact.argmax(-1)))
     return result
 
 
 def part_scaling(repeats: int) -> dict:
-    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%) in both modes, beside LoRA with as many
+    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%), beside LoRA with as many
     adapters, each against the base forward in the same rounds."""
     pre, finetuned = make_pair()
     base = plain_copy(pre)

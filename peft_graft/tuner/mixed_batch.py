@@ -15,14 +15,6 @@ The state lives on the layers (``GraftLayer.mixed_batch``) and on the tuner for 
 single-graft path's guarantees: threads run one at a time, a forward nested inside it (a hook calling the model without
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
-
-``model.set_mixed_batch_mode("sparse_delta")`` trades that bit-exactness for speed: a ``Linear`` (or GPT-2 ``Conv1D``)
-layer whose grafts are sparse there (at most :data:`SPARSE_DELTA_MAX_DENSITY` of its weight each) runs its base layer
-once for the whole batch and adds each group's sparse delta to its rows' outputs, ``y[:, r] += x[:, c] * d`` per entry
-(and ``d`` at a bias entry); other layers keep the exact per-group path. A delta output differs from the exact one by
-floating-point rounding only: at most ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per output (``n`` the
-layer's input size, ``u`` the unit roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``, ``w`` and ``w'`` the
-row of the base and of the grafted weight), the bound ``tests/test_mixed_batch.py`` checks.
 """
 
 from __future__ import annotations
@@ -36,18 +28,9 @@ import torch
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from .entries import graft_entries
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
 
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
-
-MIXED_BATCH_MODES = ("exact", "sparse_delta")
-"""``"exact"``: per-group base calls, bit-exact per example (the default); ``"sparse_delta"``: see the module doc."""
-
-SPARSE_DELTA_MAX_DENSITY = 1e-3
-"""A layer takes the sparse-delta path only where each graft holds at most this share of its weight's entries (above
-it the delta's gather and scatter per token cost more than a group's own base call; BENCHMARKS.md, "Mixed-graft
-batches")."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -61,7 +44,6 @@ class MixedBatch:
     """One graft name per example, and the groups of examples per name (found once, shared by every layer)."""
 
     names: list[str]
-    sparse_delta: bool = False  # the "sparse_delta" mode (see the module doc)
     positions: dict[str, list[int]] = field(default_factory=dict)
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
@@ -156,8 +138,7 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         encoder = _encoder(tuner.model)
         encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
         with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
-            delta = tuner.__dict__.get("mixed_batch_mode", "exact") == "sparse_delta"
-            batches = {id(names): MixedBatch(names, delta), id(decoder_names): MixedBatch(decoder_names, delta)}
+            batches = {id(names): MixedBatch(names), id(decoder_names): MixedBatch(decoder_names)}
             layers, wrappers = tuner._adapter_modules()
             try:
                 tuner.mixed_batch = batches[id(decoder_names)]
@@ -224,10 +205,6 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
         holders = batch.holders[id(layer)] = frozenset(n for n in batch.positions if n != BASE and _holds(layer, n))
     if not holders:
         return layer.base_layer(*args, **kwargs)
-    if batch.sparse_delta and not rest and not kwargs:
-        out = _sparse_delta_forward(layer, batch, holders, x)
-        if out is not None:
-            return out
 
     def run(name: str, inputs: torch.Tensor) -> torch.Tensor:
         if name not in holders:
@@ -241,83 +218,6 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
         )
 
     return _combine(batch.groups(x.device), run, x, len(batch.names), type(layer.base_layer).__name__)
-
-
-def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
-    """``(out, in, whether the weight is stored (in, out))`` of a plain ``nn.Linear`` or GPT-2 ``Conv1D``, else None."""
-    if type(base).forward is nn.Linear.forward:
-        return base.out_features, base.in_features, False
-    if type(base).__name__ == "Conv1D" and hasattr(base, "nf") and base.weight.dim() == 2:
-        return base.nf, base.weight.shape[0], True
-    return None
-
-
-def _sparse_delta(layer: nn.Module, name: str, shape: tuple[int, int, bool]):
-    """Graft ``name``'s change to ``layer``'s weight and bias as ``(weight rows, columns, deltas; bias rows, deltas)``
-    (fp32: the grafted value minus the base's, in the parameter's dtype), or None where the exact path is cheaper or
-    needed (a graft denser than :data:`SPARSE_DELTA_MAX_DENSITY`, a tensor other than weight and bias)."""
-    plan = layer.in_place_plan((name,))
-    if plan is None:
-        return None
-    out_features, in_features, transposed = shape
-    parts = {"weight": [], "bias": []}
-    for parameters, attr, entries, scale, first in plan.writes:
-        if attr not in parts:
-            return None
-        if attr == "weight" and entries[0].numel() > SPARSE_DELTA_MAX_DENSITY * out_features * in_features:
-            return None
-        original = parameters[attr].data.take(entries[0])
-        delta = graft_entries(original, entries, first, scale).float() - original.float()
-        parts[attr].append((entries[0].to(torch.int64), delta))
-    weight = [torch.cat(part) for part in zip(*parts["weight"], strict=True)] if parts["weight"] else None
-    bias = [torch.cat(part) for part in zip(*parts["bias"], strict=True)] if parts["bias"] else None
-    if weight is not None:
-        index, delta = weight
-        if transposed:  # Conv1D stores (in, out)
-            rows, columns = index % out_features, index // out_features
-        else:
-            rows, columns = index // in_features, index % in_features
-        weight = (rows, columns, delta)
-    return weight, bias
-
-
-def _sparse_delta_forward(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], x: torch.Tensor):
-    """The ``"sparse_delta"`` mode's forward of a linear layer (see the module doc), or None to take the exact path."""
-    shape = _linear_shape(layer.base_layer)
-    if shape is None or not torch.is_tensor(x) or not x.dim() or x.shape[0] != len(batch.names):
-        return None
-    deltas = {}
-    for name in holders:
-        deltas[name] = _sparse_delta(layer, name, shape)
-        if deltas[name] is None:
-            return None
-    groups = [(index, deltas[name]) for name, index in batch.groups(x.device) if name in deltas]
-    return add_deltas(layer.base_layer(x), x, groups)
-
-
-def add_deltas(out: torch.Tensor, x: torch.Tensor, groups: list[tuple[slice | torch.Tensor, tuple]]) -> torch.Tensor:
-    """``out`` (the base layer's output on ``x``) with each group's sparse delta (``_sparse_delta``) added to its
-    examples' rows, touching only the entries' elements: one gather of ``x`` and one ``index_add_`` into ``out`` per
-    group, over flat indices (copying the group's rows in and out cost more than the deltas themselves)."""
-    batch_size, in_features, out_features = x.shape[0], x.shape[-1], out.shape[-1]
-    out = out.contiguous()
-    x_flat, out_flat = x.contiguous().view(-1), out.view(-1)
-    length = x.numel() // (batch_size * in_features)  # tokens per example
-    positions = torch.arange(length, device=x.device)
-    for index, (weight, bias) in groups:
-        examples = torch.arange(batch_size, device=x.device)[index] if isinstance(index, slice) else index
-        tokens = (examples[:, None] * length + positions).view(-1, 1)  # the group's rows of x and out, flat
-        if weight is not None:
-            rows, columns, delta = (t.to(x.device) for t in weight)
-            inputs = x_flat.take(tokens * in_features + columns)
-            out_flat.index_add_(
-                0, (tokens * out_features + rows).view(-1), (inputs.float() * delta).to(out.dtype).view(-1)
-            )
-        if bias is not None:
-            rows, delta = (t.to(x.device) for t in bias)
-            values = delta.to(out.dtype).expand(tokens.shape[0], -1).reshape(-1)
-            out_flat.index_add_(0, (tokens * out_features + rows).view(-1), values)
-    return out
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
