@@ -1,0 +1,125 @@
+"""Causal serving with mixed grafts: ``generate`` on a SmolLM2-135M-sized model (a seeded random ``LlamaForCausalLM``
+with SmolLM2-135M's configuration: 30 layers, hidden 576, tied embeddings, 134.5M parameters), 2 threads.
+
+8 prompts of 64 tokens, each asking for its own graft (8 grafts of 0.01% of every tensor); greedy decoding. Prefill is
+a ``generate`` of one new token; the per-token decode cost is ``(generate of 1 + N tokens - generate of 1) / N``, both
+timed back to back in each round for the base and each variant, whose ratios to the base's in the same round give the
+median and quartiles (``bench_mixed_batch.ratios``). Variants: the grafts' mixed batch (``adapter_names``), one
+graft for the whole batch, and peft LoRA (r = 8 on q_proj and v_proj, 8 adapters) in a mixed batch.
+
+Usage: ``python benchmarks/bench_generate.py [--repeats 5] [--new_tokens 16] [--out FILE]`` (appends one JSON line)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_mixed_batch import load_average, one_time, random_region, ratios
+
+import peft_graft  # noqa: F401  (registers the graft method)
+from peft_graft import GraftConfig
+
+SMOLLM2_135M = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+PROMPTS, PROMPT_LENGTH, GRAFTS = 8, 64, 8
+
+
+def models() -> tuple[LlamaForCausalLM, object, object]:
+    """``(base, graft model with 8 grafts, LoRA model with 8 adapters)``, all from the same seeded weights."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
+    state = base.state_dict()
+
+    def copy_of_base():
+        model = LlamaForCausalLM(base.config).eval()
+        model.load_state_dict(state)
+        return model
+
+    generator = torch.Generator().manual_seed(1)
+    parameters = dict(base.named_parameters())  # lm_head.weight is embed_tokens.weight: named once
+    finetuned = {n: t.detach() + 1e-3 * torch.randn(t.shape, generator=generator) for n, t in parameters.items()}
+    grafts = None
+    for g in range(GRAFTS):
+        region = random_region(finetuned, 1e-4, seed=g)
+        config = GraftConfig(finetuned=finetuned, region="given", given_region=region, task_type="CAUSAL_LM")
+        if grafts is None:
+            grafts = get_peft_model(copy_of_base(), config, adapter_name="g0").eval()
+        else:
+            grafts.add_adapter(f"g{g}", config)
+    lora_config = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = get_peft_model(copy_of_base(), LoraConfig(**lora_config), adapter_name="g0").eval()
+    for g in range(1, GRAFTS):
+        lora.add_adapter(f"g{g}", LoraConfig(**lora_config))
+    return base, grafts, lora
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new_tokens", type=int, default=16)
+    parser.add_argument("--out", default="bench_generate.jsonl")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    hf_logging.set_verbosity_error()
+    load_before = load_average()
+    base, grafts, lora = models()
+    ids = torch.randint(3, base.config.vocab_size, (PROMPTS, PROMPT_LENGTH), generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    names = [f"g{i % GRAFTS}" for i in range(PROMPTS)]
+
+    def generate(model, new_tokens: int, **kwargs):
+        def run():
+            with torch.inference_mode():
+                return model.generate(
+                    **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs
+                )
+
+        return run
+
+    result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": PROMPTS,
+              "prompt_length": PROMPT_LENGTH, "new_tokens": args.new_tokens, "load_before": load_before}  # fmt: skip
+    calls = {
+        "base": lambda n: generate(base, n),
+        "graft": lambda n: generate(grafts, n, adapter_names=names),
+        "graft_single": lambda n: generate(grafts, n),
+        "lora": lambda n: generate(lora, n, adapter_names=names),
+    }
+    prefill = {name: [] for name in calls}
+    decode = {name: [] for name in calls}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for name, call in calls.items():  # per round and variant: prefill, then prefill + N tokens
+            first, total = one_time(call(1)), one_time(call(1 + args.new_tokens))
+            if repeat:
+                prefill[name].append(first)
+                decode[name].append((total - first) / args.new_tokens)
+    result.update(ratios("prefill", prefill))
+    result.update(ratios("decode_per_token", decode))
+    result["load_after"] = load_average()
+    with open(args.out, "a") as handle:
+        handle.write(json.dumps(result) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
