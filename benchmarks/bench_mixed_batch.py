@@ -203,7 +203,6 @@ def lora_model(base, distinct: int):
 def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
     """The graft model's mixed batch, one graft for the whole batch, and LoRA's mixed batch."""
     names = [f"g{i % distinct}" for i in range(BATCH)]
-
     variants = {"graft": lambda: forward(model, inputs, adapter_names=names)}
     if distinct == GROUPS:
         variants["graft_single"] = lambda: forward(model, inputs)
@@ -227,8 +226,8 @@ def part_mixed(repeats: int) -> dict:
 
 
 def part_scaling(repeats: int) -> dict:
-    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%), beside LoRA with as many
-    adapters, each against the base forward in the same rounds."""
+    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%), beside LoRA with as many adapters, each
+    against the base forward in the same rounds."""
     pre, finetuned = make_pair()
     base = plain_copy(pre)
     inputs = batch(pre.config.vocab_size)
