@@ -4,8 +4,9 @@ with SmolLM2-135M's configuration: 30 layers, hidden 576, tied embeddings, 134.5
 8 prompts of 64 tokens, each asking for its own graft (8 grafts of 0.01% of every tensor); greedy decoding. Prefill is
 a ``generate`` of one new token; the per-token decode cost is ``(generate of 1 + N tokens - generate of 1) / N``, both
 timed back to back in each round for the base and each variant, whose ratios to the base's in the same round give the
-median and quartiles (``bench_mixed_batch.ratios``). Variants: the grafts' mixed batch (``adapter_names``), one
-graft for the whole batch, and peft LoRA (r = 8 on q_proj and v_proj, 8 adapters) in a mixed batch.
+median and quartiles (``bench_mixed_batch.ratios``). Variants: the grafts' mixed batch (``adapter_names``) in the
+exact mode and in the ``"sparse_delta"`` mode (``model.set_mixed_batch_mode``), one graft for the whole batch, and
+peft LoRA (r = 8 on q_proj and v_proj, 8 adapters) in a mixed batch.
 
 Usage: ``python benchmarks/bench_generate.py [--repeats 5] [--new_tokens 16] [--out FILE]`` (appends one JSON line)
 """
@@ -88,8 +89,10 @@ def main() -> None:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     names = [f"g{i % GRAFTS}" for i in range(PROMPTS)]
 
-    def generate(model, new_tokens: int, **kwargs):
+    def generate(model, new_tokens: int, mode: str = "exact", **kwargs):
         def run():
+            if model is grafts:
+                grafts.set_mixed_batch_mode(mode)
             with torch.inference_mode():
                 return model.generate(
                     **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs
@@ -102,6 +105,7 @@ def main() -> None:
     calls = {
         "base": lambda n: generate(base, n),
         "graft": lambda n: generate(grafts, n, adapter_names=names),
+        "graft_sparse_delta": lambda n: generate(grafts, n, "sparse_delta", adapter_names=names),
         "graft_single": lambda n: generate(grafts, n),
         "lora": lambda n: generate(lora, n, adapter_names=names),
     }
@@ -113,6 +117,8 @@ def main() -> None:
             if repeat:
                 prefill[name].append(first)
                 decode[name].append((total - first) / args.new_tokens)
+    exact, fast = (generate(grafts, args.new_tokens, mode, adapter_names=names)() for mode in ("exact", "sparse_delta"))
+    result["sparse_delta_same_tokens"] = bool(torch.equal(exact, fast))
     result.update(ratios("prefill", prefill))
     result.update(ratios("decode_per_token", decode))
     result["load_after"] = load_average()

@@ -349,3 +349,128 @@ def test_an_error_inside_a_mixed_forward_restores_the_base_bit_for_bit():
     with torch.no_grad():  # the model serves on as before
         check_per_example(model, inputs, NAMES, model(**inputs, adapter_names=NAMES).logits)
     assert threading.active_count() >= 1
+
+
+# ------------------------------------------------------------------------------------------------ "sparse_delta" mode
+def _rounding_bound(x: torch.Tensor, base: torch.Tensor, grafted: torch.Tensor, y: torch.Tensor, transposed: bool):
+    """The documented bound of a sparse-delta output against the exact one, per output (float64)."""
+    u = torch.finfo(y.dtype).eps / 2
+    n = x.shape[-1]
+    gamma = n * u / (1 - n * u)
+    weights = (
+        (base.double().abs() + grafted.double().abs()).T
+        if not transposed
+        else base.double().abs() + grafted.double().abs()
+    )
+    return 2 * gamma * (x.double().abs() @ weights) + u * y.double().abs()
+
+
+def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
+    """With ``set_mixed_batch_mode("sparse_delta")`` each linear graft layer runs once per batch plus each group's
+    sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ from the exact
+    per-group path by no more than the documented rounding bound; the other layers stay bit-exact; the logits stay
+    within RTOL of the exact mode's; the base is left untouched."""
+    from peft_graft.tuner import mixed_batch
+
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_DENSITY", 1.0)  # the tiny grafts hold 5% of each tensor
+    taken = []
+    original = mixed_batch._layer_delta
+    monkeypatch.setattr(
+        mixed_batch, "_layer_delta", lambda *a: taken.append(a[0]) or original(*a)
+    )  # records the layers that asked for the delta path
+    _, model = grafts(arch)
+    inputs, before = batch(), state(model)
+    with torch.no_grad():
+        exact = model(**inputs, adapter_names=NAMES).logits
+    assert not taken  # the default mode never takes it
+    model.set_mixed_batch_mode("sparse_delta")
+    layers = model.base_model.graft_layers()
+    seen = {}
+
+    def record(name):
+        def hook(_, args, output):
+            seen.setdefault(name, (args[0].detach().clone(), output.detach().clone()))
+
+        return hook
+
+    handles = [layer.register_forward_hook(record(name)) for name, layer in layers.items()]
+    with torch.no_grad():
+        fast = model(**inputs, adapter_names=NAMES).logits
+    for handle in handles:
+        handle.remove()
+    assert unchanged(model, before)
+    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
+    linear = {name for name, layer in layers.items() if mixed_batch._linear_shape(layer.base_layer) is not None}
+    assert linear and {id(layers[name]) for name in linear} <= {id(layer) for layer in taken}
+    for graft in dict.fromkeys(NAMES):
+        rows = [i for i, n in enumerate(NAMES) if n == graft]
+        for name, (x, output) in seen.items():
+            if x.shape[0] != len(NAMES):
+                continue
+            layer = layers[name]
+            with torch.no_grad():
+                if graft == "__base__":
+                    with model.disable_adapter():
+                        expected = layer(x[rows].clone())
+                else:
+                    model.set_adapter(graft)
+                    expected = layer(x[rows].clone())
+            if name not in linear:
+                assert torch.equal(output[rows], expected), (graft, name)
+                continue
+            shape = mixed_batch._linear_shape(layer.base_layer)
+            base = layer.base_layer.weight
+            with torch.no_grad():
+                overrides = {} if graft == "__base__" else layer.effective_parameters([graft])
+            grafted = overrides.get("weight", base)
+            bound = _rounding_bound(x[rows], base, grafted, expected, shape[2])
+            if layer.base_layer.bias is not None:
+                bias = overrides.get("bias", layer.base_layer.bias)
+                bound = bound + 2 * torch.finfo(expected.dtype).eps * (
+                    bias.double().abs() + layer.base_layer.bias.double().abs()
+                )
+            assert ((output[rows].double() - expected.double()).abs() <= bound).all(), (graft, name)
+    model.set_adapter("sst")
+
+
+def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
+    """Above SPARSE_DELTA_MAX_DENSITY (the test grafts hold 5% of each tensor) every layer keeps the exact path: the
+    logits equal the exact mode's bit for bit. An unknown mode is a ValueError naming the modes."""
+    _, model = grafts("bert_cls")
+    inputs = batch()
+    with torch.no_grad():
+        exact = model(**inputs, adapter_names=NAMES).logits
+        model.set_mixed_batch_mode("sparse_delta")
+        fast = model(**inputs, adapter_names=NAMES).logits
+    assert torch.equal(fast, exact)
+    with pytest.raises(ValueError, match="'exact', 'sparse_delta'"):
+        model.set_mixed_batch_mode("fast")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
+    """Greedy generation in the "sparse_delta" mode: prefill and every decoding step take the delta path on the linear
+    graft layers (GPT-2's Conv1D, Llama's tied output embedding), and the tokens and each step's logits are the exact
+    mode's to rounding; the base is left untouched."""
+    from peft_graft.tuner import mixed_batch
+
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_DENSITY", 1.0)  # the tiny grafts hold 5% of each tensor
+    lengths = []
+    original = mixed_batch.LayerDelta.add_to
+    monkeypatch.setattr(
+        mixed_batch.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
+    )
+    _, model = grafts(arch)
+    inputs, before = batch(), state(model)
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+        assert not lengths
+        model.set_mixed_batch_mode("sparse_delta")
+        fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+    assert unchanged(model, before)
+    assert set(lengths) == {inputs["input_ids"].shape[1], 1}  # prefill, then one token per step
+    assert torch.equal(fast.sequences, exact.sequences)
+    for step_fast, step_exact in zip(fast.logits, exact.logits, strict=True):
+        assert (step_fast - step_exact).abs().max() <= 10 * RTOL * step_exact.abs().max()

@@ -15,6 +15,14 @@ The state lives on the layers (``GraftLayer.mixed_batch``) and on the tuner for 
 single-graft path's guarantees: threads run one at a time, a forward nested inside it (a hook calling the model without
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
+
+``model.set_mixed_batch_mode("sparse_delta")`` trades that bit-exactness for speed: a ``Linear`` (or GPT-2 ``Conv1D``)
+layer whose grafts are sparse there (at most :data:`SPARSE_DELTA_MAX_DENSITY` of its weight each) runs its base layer
+once for the whole batch and adds each group's sparse delta to its rows' outputs, ``y[:, r] += x[:, c] * d`` per entry
+(and ``d`` at a bias entry); other layers keep the exact per-group path. A delta output differs from the exact one by
+floating-point rounding only: at most ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per output (``n`` the
+layer's input size, ``u`` the unit roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``, ``w`` and ``w'`` the
+row of the base and of the grafted weight), the bound ``tests/test_mixed_batch.py`` checks.
 """
 
 from __future__ import annotations
@@ -28,9 +36,18 @@ import torch
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
+from .entries import graft_entries
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
 
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
+
+MIXED_BATCH_MODES = ("exact", "sparse_delta")
+"""``"exact"``: per-group base calls, bit-exact per example (the default); ``"sparse_delta"``: see the module doc."""
+
+SPARSE_DELTA_MAX_DENSITY = 1e-3
+"""A layer takes the sparse-delta path only where each graft holds at most this share of its weight's entries (above
+it the delta's gather and scatter per token cost more than a group's own base call; BENCHMARKS.md, "Mixed-graft
+batches")."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -44,8 +61,10 @@ class MixedBatch:
     """One graft name per example, and the groups of examples per name (found once, shared by every layer)."""
 
     names: list[str]
+    sparse_delta: bool = False  # the "sparse_delta" mode (see the module doc)
     positions: dict[str, list[int]] = field(default_factory=dict)
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
+    deltas: dict[int, LayerDelta | None] = field(default_factory=dict)  # by id(layer), in the "sparse_delta" mode
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -138,7 +157,8 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         encoder = _encoder(tuner.model)
         encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
         with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
-            batches = {id(names): MixedBatch(names), id(decoder_names): MixedBatch(decoder_names)}
+            delta = tuner.__dict__.get("mixed_batch_mode", "exact") == "sparse_delta"
+            batches = {id(names): MixedBatch(names, delta), id(decoder_names): MixedBatch(decoder_names, delta)}
             layers, wrappers = tuner._adapter_modules()
             try:
                 tuner.mixed_batch = batches[id(decoder_names)]
@@ -205,6 +225,12 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
         holders = batch.holders[id(layer)] = frozenset(n for n in batch.positions if n != BASE and _holds(layer, n))
     if not holders:
         return layer.base_layer(*args, **kwargs)
+    if batch.sparse_delta and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1:
+        if id(layer) not in batch.deltas:
+            batch.deltas[id(layer)] = _layer_delta(layer, batch, holders, x.device)
+        delta = batch.deltas[id(layer)]
+        if delta is not None and x.shape[0] == len(batch.names):
+            return delta.add_to(layer.base_layer(x), x)
 
     def run(name: str, inputs: torch.Tensor) -> torch.Tensor:
         if name not in holders:
@@ -218,6 +244,103 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
         )
 
     return _combine(batch.groups(x.device), run, x, len(batch.names), type(layer.base_layer).__name__)
+
+
+def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
+    """``(out, in, whether the weight is stored (in, out))`` of a plain ``nn.Linear`` or GPT-2 ``Conv1D``, else None."""
+    if type(base).forward is nn.Linear.forward:
+        return base.out_features, base.in_features, False
+    if type(base).__name__ == "Conv1D" and hasattr(base, "nf") and base.weight.dim() == 2:
+        return base.nf, base.weight.shape[0], True
+    return None
+
+
+def _sparse_delta(layer: nn.Module, name: str, shape: tuple[int, int, bool]):
+    """Graft ``name``'s change to ``layer``'s weight and bias as ``(rows, columns, deltas, bias rows, bias deltas)``
+    (fp32: the grafted value minus the base's, in the parameter's dtype), or None where the exact path is cheaper or
+    needed (a graft denser than :data:`SPARSE_DELTA_MAX_DENSITY`, a tensor other than weight and bias)."""
+    plan = layer.in_place_plan((name,))
+    if plan is None:
+        return None
+    out_features, in_features, transposed = shape
+    parts = {"weight": [], "bias": []}
+    for parameters, attr, entries, scale, first in plan.writes:
+        if attr not in parts:
+            return None
+        if attr == "weight" and entries[0].numel() > SPARSE_DELTA_MAX_DENSITY * out_features * in_features:
+            return None
+        original = parameters[attr].data.take(entries[0])
+        delta = graft_entries(original, entries, first, scale).float() - original.float()
+        parts[attr].append((entries[0].to(torch.int64), delta))
+    index, weight = _joined(parts["weight"])
+    bias_rows, bias = _joined(parts["bias"])
+    if transposed:  # Conv1D stores (in, out)
+        rows, columns = index % out_features, index // out_features
+    else:
+        rows, columns = index // in_features, index % in_features
+    return rows, columns, weight, bias_rows, bias
+
+
+def _joined(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, deltas)`` of several writes as one pair (empty where there are none)."""
+    if not parts:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0)
+    return torch.cat([index for index, _ in parts]), torch.cat([delta for _, delta in parts])
+
+
+@dataclass
+class LayerDelta:
+    """Every group's sparse delta on one linear layer, flattened over (example, entry) pairs: the weight part adds
+    ``x[example, ..., column] * weight`` to ``out[example, ..., row]``, the bias part adds ``bias`` to
+    ``out[example, ..., bias_row]``."""
+
+    examples: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+    weight: torch.Tensor
+    bias_examples: torch.Tensor
+    bias_rows: torch.Tensor
+    bias: torch.Tensor
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one accumulating
+        ``index_put_`` into ``out`` for the whole batch, whatever the number of groups (a loop over the groups would
+        launch a few kernels per group and layer, most of a decoding step's time)."""
+        batch_size = x.shape[0]
+        x3 = x.reshape(batch_size, -1, x.shape[-1])
+        out = out.contiguous()
+        out_t = out.view(batch_size, -1, out.shape[-1]).transpose(1, 2)  # (example, feature, token), a view
+        values = x3[self.examples, :, self.columns].float() * self.weight[:, None]
+        values = torch.cat([values, self.bias[:, None].expand(-1, x3.shape[1])])
+        indices = torch.cat([self.examples, self.bias_examples]), torch.cat([self.rows, self.bias_rows])
+        out_t.index_put_(indices, values.to(out.dtype), accumulate=True)
+        return out
+
+
+def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], device: torch.device):
+    """``layer``'s :class:`LayerDelta` for ``batch`` (built once per batch), or None to take the exact path: not a
+    plain linear layer, or a graft too dense there or changing another of its tensors."""
+    shape = _linear_shape(layer.base_layer)
+    if shape is None:
+        return None
+    deltas = {}
+    for name in holders:
+        deltas[name] = _sparse_delta(layer, name, shape)
+        if deltas[name] is None:
+            return None
+    parts = {key: [] for key in LayerDelta.__dataclass_fields__}
+    for name, index in batch.groups(device):
+        if name not in deltas:
+            continue
+        examples = torch.arange(len(batch.names), device=device)[index] if isinstance(index, slice) else index
+        rows, columns, weight, bias_rows, bias = (t.to(device) for t in deltas[name])
+        count = examples.numel()  # every example of the group with every entry: examples outer, entries inner
+        parts["examples"].append(examples.repeat_interleave(rows.numel()))
+        parts["bias_examples"].append(examples.repeat_interleave(bias_rows.numel()))
+        for part, values in (("rows", rows), ("columns", columns), ("weight", weight), ("bias_rows", bias_rows),
+                              ("bias", bias)):  # fmt: skip
+            parts[part].append(values.repeat(count))
+    return LayerDelta(**{key: torch.cat(values) for key, values in parts.items()})
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):

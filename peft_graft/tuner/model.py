@@ -20,10 +20,10 @@ from ..scores.movement import saved_whole_module
 from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
-from .in_place import model_forward, state_change, suspended_writes, written_in_place
+from .in_place import WRITE_LOCK, model_forward, state_change, suspended_writes, written_in_place
 from .layer import GRAFT_TENSORS, PACKED_STATE, GraftLayer, check_scale
 from .learning import RegionLearner, harden_exact
-from .mixed_batch import BASE, mixed_batch_hooks
+from .mixed_batch import BASE, MIXED_BATCH_MODES, mixed_batch_hooks
 from .packed import pack_adapter, release_free_heap
 from .planning import Plan, plan_loaded_graft, plan_new_graft
 
@@ -200,6 +200,15 @@ class GraftModel(BaseTuner):
 
     # peft's mixed-batch inference: peft_model(**inputs, adapter_names=[...]), one graft (or "__base__") per example
     _enable_peft_forward_hooks = mixed_batch_hooks
+
+    def set_mixed_batch_mode(self, mode: str) -> None:
+        """How mixed-graft batches run: ``"exact"`` (default; each example bit-exact as with its graft alone) or
+        ``"sparse_delta"`` (faster with many grafts: linear layers run once per batch plus each graft's sparse delta,
+        differing from ``"exact"`` by rounding only; the bound is in ``peft_graft/tuner/mixed_batch.py``)."""
+        if mode not in MIXED_BATCH_MODES:
+            raise ValueError(f"mixed batch mode must be one of {MIXED_BATCH_MODES}, got {mode!r}.")
+        with WRITE_LOCK:  # not while a mixed batch runs in another thread
+            self.mixed_batch_mode = mode
 
     def forward_state(self) -> tuple:
         """What a forward's output depends on besides the tensors: each graft layer's and head's active adapters,
