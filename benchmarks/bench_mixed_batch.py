@@ -10,7 +10,8 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
   (``y_i[:, rows] += x_i[:, cols] * dW[rows, cols]``, one gather and one ``index_add_`` per graft over flat indices).
   Ratios to the base layer, and (b)'s largest difference from (a).
 - ``mixed``: 8 grafts of 0.01% (0.01% of every tensor, about 12,500 entries, each with its own classification head
-  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch), one graft for the whole batch, and
+  stored whole), example ``i`` asking for graft ``i % 8`` (spread over the batch; the exact mode and the
+  ``"sparse_delta"`` mode, ``model.set_mixed_batch_mode``), one graft for the whole batch, and
   peft LoRA (r = 8 on query and value, 8 adapters, the shared head: peft's mixed batches refuse a RoBERTa head per
   adapter), each against the base model's forward on the same batch.
 - ``scaling``: the mixed batch with 1, 8 and 32 distinct grafts of 0.01% (LoRA beside it with as many adapters), and
@@ -201,9 +202,18 @@ def lora_model(base, distinct: int):
 
 
 def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
-    """The graft model's mixed batch, one graft for the whole batch, and LoRA's mixed batch."""
+    """The graft model's mixed batch in the exact and the ``"sparse_delta"`` mode, one graft for the whole batch, and
+    LoRA's mixed batch."""
     names = [f"g{i % distinct}" for i in range(BATCH)]
-    variants = {"graft": lambda: forward(model, inputs, adapter_names=names)}
+
+    def mixed(mode: str):
+        def run():
+            model.set_mixed_batch_mode(mode)
+            return forward(model, inputs, adapter_names=names)
+
+        return run
+
+    variants = {"graft": mixed("exact"), "graft_sparse_delta": mixed("sparse_delta")}
     if distinct == GROUPS:
         variants["graft_single"] = lambda: forward(model, inputs)
     if lora is not None:
