@@ -372,7 +372,7 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
     within RTOL of the exact mode's; the base is left untouched."""
     from peft_graft.tuner import mixed_batch
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_DENSITY", 1.0)  # the tiny grafts hold 5% of each tensor
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     taken = []
     original = mixed_batch._layer_delta
     monkeypatch.setattr(
@@ -434,7 +434,7 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
 
 
 def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
-    """Above SPARSE_DELTA_MAX_DENSITY (the test grafts hold 5% of each tensor) every layer keeps the exact path: the
+    """Above SPARSE_DELTA_MAX_WORK (the test grafts hold 5% of each tensor) every layer keeps the exact path: the
     logits equal the exact mode's bit for bit. An unknown mode is a ValueError naming the modes."""
     _, model = grafts("bert_cls")
     inputs = batch()
@@ -454,7 +454,7 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
     mode's to rounding; the base is left untouched."""
     from peft_graft.tuner import mixed_batch
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_DENSITY", 1.0)  # the tiny grafts hold 5% of each tensor
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     lengths = []
     original = mixed_batch.LayerDelta.add_to
     monkeypatch.setattr(
@@ -474,3 +474,26 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
     assert torch.equal(fast.sequences, exact.sequences)
     for step_fast, step_exact in zip(fast.logits, exact.logits, strict=True):
         assert (step_fast - step_exact).abs().max() <= 10 * RTOL * step_exact.abs().max()
+
+
+def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
+    """A layer's call takes the delta path only where graft density x tokens per example is within
+    SPARSE_DELTA_MAX_WORK: with grafts of 5% and a bound of 0.1, a decoding step (1 token) takes it and the 9-token
+    prefill does not; the tokens are the exact mode's."""
+    from peft_graft.tuner import mixed_batch
+
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 0.1)
+    lengths = []
+    original = mixed_batch.LayerDelta.add_to
+    monkeypatch.setattr(
+        mixed_batch.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
+    )
+    _, model = grafts("llama")
+    inputs = batch()
+    kwargs = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+        model.set_mixed_batch_mode("sparse_delta")
+        fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+    assert lengths and set(lengths) == {1}
+    assert torch.equal(fast, exact)

@@ -16,13 +16,14 @@ single-graft path's guarantees: threads run one at a time, a forward nested insi
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
 
-``model.set_mixed_batch_mode("sparse_delta")`` trades that bit-exactness for speed: a ``Linear`` (or GPT-2 ``Conv1D``)
-layer whose grafts are sparse there (at most :data:`SPARSE_DELTA_MAX_DENSITY` of its weight each) runs its base layer
-once for the whole batch and adds each group's sparse delta to its rows' outputs, ``y[:, r] += x[:, c] * d`` per entry
-(and ``d`` at a bias entry); other layers keep the exact per-group path. A delta output differs from the exact one by
-floating-point rounding only: at most ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per output (``n`` the
-layer's input size, ``u`` the unit roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``, ``w`` and ``w'`` the
-row of the base and of the grafted weight), the bound ``tests/test_mixed_batch.py`` checks.
+``model.set_mixed_batch_mode("sparse_delta")`` trades that bit-exactness for speed: a ``Linear`` (or GPT-2
+``Conv1D``) layer whose grafts are sparse there for the call (:data:`SPARSE_DELTA_MAX_WORK`: decoding steps qualify
+where a prefill may not) runs its base layer once for the whole batch and adds each group's sparse delta to its rows'
+outputs, ``y[:, r] += x[:, c] * d`` per entry (and ``d`` at a bias entry); other layers keep the exact per-group path.
+A delta output differs from the exact one by floating-point rounding only: at most
+``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per output (``n`` the layer's input size, ``u`` the unit
+roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``, ``w`` and ``w'`` the row of the base and of the grafted
+weight), the bound ``tests/test_mixed_batch.py`` checks.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MK
 MIXED_BATCH_MODES = ("exact", "sparse_delta")
 """``"exact"``: per-group base calls, bit-exact per example (the default); ``"sparse_delta"``: see the module doc."""
 
-SPARSE_DELTA_MAX_DENSITY = 1e-3
-"""A layer takes the sparse-delta path only where each graft holds at most this share of its weight's entries (above
-it the delta's gather and scatter per token cost more than a group's own base call; BENCHMARKS.md, "Mixed-graft
-batches")."""
+SPARSE_DELTA_MAX_WORK = 0.02
+"""A layer's call takes the sparse-delta path only where (the largest share of its weight's entries a graft holds) x
+(tokens per example) is at most this: the deltas cost one gather and scatter per entry and token, the exact path one
+base call per group. Set from RoBERTa-base batches of 32 x 128 with 8 grafts, where the delta path was faster at 0.01%
+(1.28e-2 here) and slower at 0.1% (1.28e-1); BENCHMARKS.md, "Re-taken side by side (issue 38, second run)"."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -229,7 +231,8 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
         if id(layer) not in batch.deltas:
             batch.deltas[id(layer)] = _layer_delta(layer, batch, holders, x.device)
         delta = batch.deltas[id(layer)]
-        if delta is not None and x.shape[0] == len(batch.names):
+        tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
+        if delta is not None and x.shape[0] == len(batch.names) and delta.density * tokens <= SPARSE_DELTA_MAX_WORK:
             return delta.add_to(layer.base_layer(x), x)
 
     def run(name: str, inputs: torch.Tensor) -> torch.Tensor:
@@ -258,7 +261,8 @@ def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
 def _sparse_delta(layer: nn.Module, name: str, shape: tuple[int, int, bool]):
     """Graft ``name``'s change to ``layer``'s weight and bias as ``(rows, columns, deltas, bias rows, bias deltas)``
     (fp32: the grafted value minus the base's, in the parameter's dtype), or None where the exact path is cheaper or
-    needed (a graft denser than :data:`SPARSE_DELTA_MAX_DENSITY`, a tensor other than weight and bias)."""
+    needed (a graft denser than :data:`SPARSE_DELTA_MAX_WORK` for a single token, a tensor other than weight and
+    bias)."""
     plan = layer.in_place_plan((name,))
     if plan is None:
         return None
@@ -267,7 +271,7 @@ def _sparse_delta(layer: nn.Module, name: str, shape: tuple[int, int, bool]):
     for parameters, attr, entries, scale, first in plan.writes:
         if attr not in parts:
             return None
-        if attr == "weight" and entries[0].numel() > SPARSE_DELTA_MAX_DENSITY * out_features * in_features:
+        if attr == "weight" and entries[0].numel() > SPARSE_DELTA_MAX_WORK * out_features * in_features:
             return None
         original = parameters[attr].data.take(entries[0])
         delta = graft_entries(original, entries, first, scale).float() - original.float()
@@ -301,6 +305,7 @@ class LayerDelta:
     bias_examples: torch.Tensor
     bias_rows: torch.Tensor
     bias: torch.Tensor
+    density: float = 0.0  # the largest share of the weight's entries one graft holds
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one accumulating
@@ -328,7 +333,7 @@ def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], d
         deltas[name] = _sparse_delta(layer, name, shape)
         if deltas[name] is None:
             return None
-    parts = {key: [] for key in LayerDelta.__dataclass_fields__}
+    parts = {key: [] for key in LayerDelta.__dataclass_fields__ if key != "density"}
     for name, index in batch.groups(device):
         if name not in deltas:
             continue
@@ -340,7 +345,8 @@ def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], d
         for part, values in (("rows", rows), ("columns", columns), ("weight", weight), ("bias_rows", bias_rows),
                               ("bias", bias)):  # fmt: skip
             parts[part].append(values.repeat(count))
-    return LayerDelta(**{key: torch.cat(values) for key, values in parts.items()})
+    density = max(deltas[name][0].numel() for name in deltas) / (shape[0] * shape[1])
+    return LayerDelta(**{key: torch.cat(values) for key, values in parts.items()}, density=density)
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
