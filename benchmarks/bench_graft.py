@@ -2,11 +2,12 @@
 
 Figures (protocol and results in BENCHMARKS.md):
 
-- ``topk``: time and added peak RSS of creating a graft of 12,500 entries (sparsity 1e-4) with ``get_peft_model``;
-  the time of ``theta_ft - theta_pre`` of every tensor plus the exact global top-k (what the reference code's 3.4 s
-  covers: the exactness pass, then the top-k's passes), and of the top-k alone (its two passes compute the movement
-  piece by piece as they read it). Runs in its own process; the added RSS is the
-  peak during creation minus the RSS just before it (the peak is reset through ``/proc/self/clear_refs``).
+- ``topk``: time and added peak RSS of creating a graft of 12,500 entries (sparsity 1e-4) with ``get_peft_model``; the
+  time of ``theta_ft - theta_pre`` of every tensor plus the exact global top-k (what the reference code's 3.4 s covers:
+  the exactness pass, then the top-k's passes), and of the top-k alone (a strided sample computes the movement at its
+  sampled entries only, then the pass over the entries above the sample's bound piece by piece as it reads). Runs in its
+  own process; the added RSS is the peak during creation minus the RSS just before it (the peak is reset through
+  ``/proc/self/clear_refs``).
 - ``disk``: bytes per grafted entry of ``adapter_model.safetensors``, header excluded.
 - ``switch``: ``set_adapter`` (unmerged inference) between two loaded grafts of 12,500 entries without heads, and
   among 8 loaded grafts of 0.01% of every tensor each with its own classification head (``modules_to_save``),
