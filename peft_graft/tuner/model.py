@@ -203,8 +203,9 @@ class GraftModel(BaseTuner):
 
     def set_mixed_batch_mode(self, mode: str) -> None:
         """How mixed-graft batches run: ``"exact"`` (default; each example bit-exact as with its graft alone) or
-        ``"sparse_delta"`` (faster with many grafts: linear layers run once per batch plus each graft's sparse delta,
-        differing from ``"exact"`` by rounding only; the bound is in ``peft_graft/tuner/mixed_batch.py``)."""
+        ``"sparse_delta"`` (faster for decoding: a linear layer whose grafts are sparse enough for the call runs once
+        per batch plus each graft's sparse delta, differing from ``"exact"`` by rounding only; the rule and the bound
+        are in ``peft_graft/tuner/mixed_batch.py``)."""
         if mode not in MIXED_BATCH_MODES:
             raise ValueError(f"mixed batch mode must be one of {MIXED_BATCH_MODES}, got {mode!r}.")
         with WRITE_LOCK:  # not while a mixed batch runs in another thread
