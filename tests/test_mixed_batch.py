@@ -497,3 +497,49 @@ def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
         fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)
     assert lengths and set(lengths) == {1}
     assert torch.equal(fast, exact)
+
+
+def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(monkeypatch):
+    """The "sparse_delta" mode builds each linear layer's joined deltas once and reuses them for later batches (any
+    order of names), and builds them again after a change of scale or of a base value under an entry, even one written
+    through ``.data`` (no version counter moves): every linear graft layer's output follows the exact mode's."""
+    from peft_graft.tuner import mixed_batch
+
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    built = []
+    original = mixed_batch._graft_deltas
+    monkeypatch.setattr(mixed_batch, "_graft_deltas", lambda *a: built.append(a[0]) or original(*a))
+    _, model = grafts("bert_cls")
+    inputs = batch()
+    linear = {
+        name: layer
+        for name, layer in model.base_model.graft_layers().items()
+        if mixed_batch._linear_shape(layer.base_layer) is not None
+    }
+    outputs = {}
+    for name, layer in linear.items():
+        layer.register_forward_hook(lambda _, args, out, name=name: outputs.__setitem__(name, out.detach().clone()))
+
+    def both(names):
+        runs = []
+        for mode in ("exact", "sparse_delta"):
+            model.set_mixed_batch_mode(mode)
+            with torch.no_grad():
+                model(**inputs, adapter_names=names)
+            runs.append(dict(outputs))
+        for name, exact in runs[0].items():  # per example: each row to its own scale
+            error = (runs[1][name] - exact).abs().flatten(1).amax(1)
+            assert (error <= 1e-5 * exact.abs().flatten(1).amax(1)).all(), name
+        return len(built)
+
+    first = both(NAMES)
+    assert first > 0
+    assert both(NAMES[::-1]) == first  # reused: same grafts, other order
+    model.set_scale(0.8, "news")
+    after_scale = both(NAMES)
+    assert after_scale > first
+    with torch.no_grad():  # the in-place plans are those of forwards without autograd
+        plan = next(plan for layer in linear.values() if (plan := layer.in_place_plan(("sst",))) is not None)
+    parameters, attr, entries, _, _ = next(write for write in plan.writes if write[1] == "weight")
+    parameters[attr].data.view(-1)[entries[0][0]] += 1e3  # under an entry: "sst" replaces it by its value
+    assert both(NAMES) == after_scale + 1  # that layer only

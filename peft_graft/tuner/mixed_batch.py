@@ -258,14 +258,11 @@ def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
-def _sparse_delta(layer: nn.Module, name: str, shape: tuple[int, int, bool]):
-    """Graft ``name``'s change to ``layer``'s weight and bias as ``(rows, columns, deltas, bias rows, bias deltas)``
-    (fp32: the grafted value minus the base's, in the parameter's dtype), or None where the exact path is cheaper or
-    needed (a graft denser than :data:`SPARSE_DELTA_MAX_WORK` for a single token, a tensor other than weight and
-    bias)."""
-    plan = layer.in_place_plan((name,))
-    if plan is None:
-        return None
+def _sparse_delta(plan, shape: tuple[int, int, bool]):
+    """One graft's change to a linear layer's weight and bias from its in-place ``plan``, as ``(weight entries, their
+    base values, rows, columns, deltas, bias entries, their base values, deltas)`` (deltas in fp32: the grafted value
+    minus the base's, in the parameter's dtype), or None where the exact path is cheaper or needed (a graft denser than
+    :data:`SPARSE_DELTA_MAX_WORK` for a single token, a tensor other than weight and bias)."""
     out_features, in_features, transposed = shape
     parts = {"weight": [], "bias": []}
     for parameters, attr, entries, scale, first in plan.writes:
@@ -275,21 +272,79 @@ def _sparse_delta(layer: nn.Module, name: str, shape: tuple[int, int, bool]):
             return None
         original = parameters[attr].data.take(entries[0])
         delta = graft_entries(original, entries, first, scale).float() - original.float()
-        parts[attr].append((entries[0].to(torch.int64), delta))
-    index, weight = _joined(parts["weight"])
-    bias_rows, bias = _joined(parts["bias"])
+        parts[attr].append((entries[0].to(torch.int64), original, delta))
+    parameters = plan.writes[0][0] if plan.writes else {}
+    at, original, weight = _joined(parts["weight"], parameters.get("weight"))
+    bias_at, bias_original, bias = _joined(parts["bias"], parameters.get("bias"))
     if transposed:  # Conv1D stores (in, out)
-        rows, columns = index % out_features, index // out_features
+        rows, columns = at % out_features, at // out_features
     else:
-        rows, columns = index // in_features, index % in_features
-    return rows, columns, weight, bias_rows, bias
+        rows, columns = at // in_features, at % in_features
+    return at, original, rows, columns, weight, bias_at, bias_original, bias
 
 
-def _joined(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices, deltas)`` of several writes as one pair (empty where there are none)."""
+def _joined(parts: list[tuple[torch.Tensor, ...]], like: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``(indices, originals, deltas)`` of several writes as one triple (empty where there are none; the originals of
+    ``like``'s dtype, so that joining them keeps it)."""
     if not parts:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0)
-    return torch.cat([index for index, _ in parts]), torch.cat([delta for _, delta in parts])
+        dtype = like.dtype if like is not None else torch.float32
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype), torch.empty(0)
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+
+
+@dataclass
+class GraftDeltas:
+    """The sparse deltas of the grafts ``names`` on one linear layer, joined graft after graft. Kept on the layer
+    (``_sparse_deltas``) and reused by later batches while the in-place plans they were built from are current and the
+    base values under their entries unchanged: a delta is the grafted value minus the base value there (which moves it
+    by rounding, and wholly at an entry stored exactly), and a write through ``.data`` moves no version counter, so
+    those values are compared, one gather per layer and batch. Building the deltas takes a few kernels per graft and
+    layer, which for many grafts cost more than their arithmetic."""
+
+    names: tuple[str, ...]
+    weight_at: torch.Tensor  # flat indices of the weight entries, and the base values there when built
+    weight_original: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+    weight: torch.Tensor
+    bias_rows: torch.Tensor  # bias entries, and the base values there when built
+    bias_original: torch.Tensor
+    bias: torch.Tensor
+    weight_counts: torch.Tensor  # per graft, its number of weight (bias) entries
+    bias_counts: torch.Tensor
+    density: float  # the largest share of the weight's entries one graft holds
+
+    def base_unchanged(self, layer: nn.Module) -> bool:
+        """Whether the base layer still holds the values the deltas were taken against."""
+        parameters = layer.base_layer._parameters
+        return torch.equal(parameters["weight"].data.take(self.weight_at), self.weight_original) and (
+            not self.bias_rows.numel() or torch.equal(parameters["bias"].data.take(self.bias_rows), self.bias_original)
+        )
+
+    def for_batch(self, batch: MixedBatch, device: torch.device) -> LayerDelta:
+        """The :class:`LayerDelta` of ``batch``: every example with its graft's entries (examples in order, entries
+        inner), gathered by one index per part for the whole batch, whatever the number of grafts."""
+        number = {name: i for i, name in enumerate(self.names)}
+        graft = torch.tensor([number.get(name, -1) for name in batch.names], device=device)
+        held = graft.clamp(min=0)
+        examples = torch.arange(len(batch.names), device=device)
+        taken = []
+        for counts in (self.weight_counts, self.bias_counts):
+            lengths = torch.where(graft >= 0, counts[held], 0)
+            shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
+            entry = torch.arange(int(lengths.sum()), device=device) + shift.repeat_interleave(lengths)
+            taken.append((examples.repeat_interleave(lengths), entry))
+        (weight_examples, entry), (bias_examples, bias_entry) = taken
+        return LayerDelta(
+            examples=weight_examples,
+            rows=self.rows[entry],
+            columns=self.columns[entry],
+            weight=self.weight[entry],
+            bias_examples=bias_examples,
+            bias_rows=self.bias_rows[bias_entry],
+            bias=self.bias[bias_entry],
+            density=self.density,
+        )
 
 
 @dataclass
@@ -323,30 +378,39 @@ class LayerDelta:
 
 
 def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], device: torch.device):
-    """``layer``'s :class:`LayerDelta` for ``batch`` (built once per batch), or None to take the exact path: not a
-    plain linear layer, or a graft too dense there or changing another of its tensors."""
+    """``layer``'s :class:`LayerDelta` for ``batch`` (built once per batch from the layer's :class:`GraftDeltas`), or
+    None to take the exact path: not a plain linear layer, or a graft too dense there or changing another of its
+    tensors."""
     shape = _linear_shape(layer.base_layer)
     if shape is None:
         return None
-    deltas = {}
-    for name in holders:
-        deltas[name] = _sparse_delta(layer, name, shape)
-        if deltas[name] is None:
-            return None
-    parts = {key: [] for key in LayerDelta.__dataclass_fields__ if key != "density"}
-    for name, index in batch.groups(device):
-        if name not in deltas:
-            continue
-        examples = torch.arange(len(batch.names), device=device)[index] if isinstance(index, slice) else index
-        rows, columns, weight, bias_rows, bias = (t.to(device) for t in deltas[name])
-        count = examples.numel()  # every example of the group with every entry: examples outer, entries inner
-        parts["examples"].append(examples.repeat_interleave(rows.numel()))
-        parts["bias_examples"].append(examples.repeat_interleave(bias_rows.numel()))
-        for part, values in (("rows", rows), ("columns", columns), ("weight", weight), ("bias_rows", bias_rows),
-                              ("bias", bias)):  # fmt: skip
-            parts[part].append(values.repeat(count))
-    density = max(deltas[name][0].numel() for name in deltas) / (shape[0] * shape[1])
-    return LayerDelta(**{key: torch.cat(values) for key, values in parts.items()}, density=density)
+    names = tuple(sorted(holders))
+    plans = tuple(layer.in_place_plan((name,)) for name in names)
+    if any(plan is None for plan in plans):
+        return None
+    cache = layer.__dict__.setdefault("_sparse_deltas", {})  # holders -> (the plans, their GraftDeltas or None)
+    cached = cache.get(names)
+    fresh = cached is not None and all(a is b for a, b in zip(cached[0], plans, strict=True))
+    if not fresh or (cached[1] is not None and not cached[1].base_unchanged(layer)):
+        cached = cache[names] = (plans, _graft_deltas(names, plans, shape, device))
+    return None if cached[1] is None else cached[1].for_batch(batch, device)
+
+
+def _graft_deltas(names: tuple[str, ...], plans: tuple[Any, ...], shape, device: torch.device) -> GraftDeltas | None:
+    """The :class:`GraftDeltas` of the grafts ``names`` from their in-place ``plans``, or None where one of them takes
+    the exact path."""
+    parts = [_sparse_delta(plan, shape) for plan in plans]
+    if any(part is None for part in parts):
+        return None
+    at, original, rows, columns, weight, bias_rows, bias_original, bias = (
+        torch.cat(column).to(device) for column in zip(*parts, strict=True)
+    )
+    weight_counts = torch.tensor([part[0].numel() for part in parts], device=device)
+    bias_counts = torch.tensor([part[5].numel() for part in parts], device=device)
+    density = int(weight_counts.max()) / (shape[0] * shape[1])
+    return GraftDeltas(
+        names, at, original, rows, columns, weight, bias_rows, bias_original, bias, weight_counts, bias_counts, density
+    )
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
