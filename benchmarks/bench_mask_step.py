@@ -20,8 +20,12 @@ the memory is
 ``torch.cuda.max_memory_allocated`` (reset the same way) and the steps are timed between ``torch.cuda.synchronize()``
 calls.
 
-``--search none 0.01`` (the default) times the paper's dense S (``none``) and ``GraftConfig(search_fraction=0.01)``
-(S on the top 1% movement entries plus gamma_base; an int is ``search_entries``). Both use the same batch and one
+``--search none 0.01 reference`` (the default; ``none 0.01`` for the Llama models) times the paper's dense S
+(``none``), ``GraftConfig(search_fraction=0.01)`` (S on the top 1% movement entries plus gamma_base; an int is
+``search_entries``) and ``reference``, the mask-training step of the paper's official code rewritten here
+(:class:`ReferenceGraft`: three whole models, dense S, gamma_base and theta_ft - theta_pre in the weights' dtype,
+gradient copies, parameters found by name in Python loops; its top-k gamma_base by numpy sort is set up once,
+untimed), printed beside the mask variants as their step and peak over its own. All use the same batch and one
 micro-batch per step (``mask_batch_size=None``, no gradient accumulation), ``sparsity=1e-4``. Suffixes turn off one
 optimisation each, to measure it: ``:keep`` the saved-tensor hooks that recompute the soft parameters in backward,
 ``:no-rows`` the embedding row path (``GraftedRows``); and with a search space they force one path on every linear
@@ -67,6 +71,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from peft import get_peft_model
 from transformers import (
@@ -116,9 +121,10 @@ def plain_trainer(model: torch.nn.Module, device: str = "cpu") -> Trainer:
 
 
 def search_space(text: str) -> dict[str, float | int]:
-    """``GraftConfig`` search-space fields of a variant: ``none`` (dense S), a fraction (float) or a count (int)."""
+    """``GraftConfig`` search-space fields of a variant: ``none`` (dense S), a fraction (float) or a count (int);
+    ``reference`` (no ``GraftConfig``) has none."""
     text = text.split(":")[0]
-    if text.lower() == "none":
+    if text.lower() in ("none", REFERENCE):
         return {}
     return {"search_fraction": float(text)} if any(c in text for c in ".e") else {"search_entries": int(text)}
 
@@ -129,6 +135,8 @@ VARIANT_FLAGS = ("keep", "no-rows", "sparse", "copy")
 def use_variant(variant: str) -> None:
     """Set the layer switches for ``VALUE[:keep][:no-rows][:sparse|:copy]`` (see the module docstring)."""
     flags = variant.split(":")[1:]
+    if flags and variant.split(":")[0] == REFERENCE:
+        raise ValueError(f"Variant {variant!r}: the reference step takes no suffixes.")
     unknown = set(flags) - set(VARIANT_FLAGS)
     if unknown or {"sparse", "copy"} <= set(flags):
         raise ValueError(f"Variant {variant!r}: suffixes are :keep, :no-rows and one of :sparse or :copy, got {flags}.")
@@ -152,22 +160,165 @@ def mask_trainer(pre: torch.nn.Module, finetuned, search: dict[str, float | int]
     return trainer
 
 
+# The paper's reference code (``--search reference``): its mask learning rate and sigmoid shift, the defaults of its
+# run_graft_task.sh (lr=1e7) and Grafting.py (sigmoid_bias=10).
+REFERENCE = "reference"
+REFERENCE_LR = 1e7
+SIGMOID_BIAS = 10.0
+
+
+class ReferenceGraft:
+    """The mask-training step of the paper's official code, written anew here to time it beside MaskTrainer.
+
+    Mirrors ``graft_Trainer`` of ``src/graft_trainer.py`` in abhishekpanigrahi1996/Skill-Localization-by-grafting, set
+    up as its ``Grafting.py`` does: three whole models (the working model, dropout off, every parameter requiring a
+    gradient; theta_pre and theta_ft on the CPU) and, per trainable tensor, dense mask logits S in the weights' dtype
+    (``create_binary_masks``: uniform in [0, 1), read through ``sigmoid(S - sigmoid_bias)``), theta_ft - theta_pre,
+    and the base mask gamma_base (``create_basepatch``, ``highest_movement``: a running numpy sort of the magnitudes,
+    tensor by tensor, keeping those above the k-th largest). That setup runs once, outside the step. :meth:`step` is
+    one epoch of ``train_graft`` with one micro-batch: ``interpolate_model`` (per tensor, theta_pre, theta_ft and the
+    model's tensor found by scanning ``named_parameters``, then ``gamma * (theta_ft - theta_pre)`` added, the
+    difference made anew), forward and backward, a clone of the gradients (found by list membership of the names),
+    ``zero_grad`` (under torch >= 2 it frees them; the reference's torch 1.6 zeroed them in place and kept them), the
+    products with theta_ft - theta_pre, the learning-rate scaled mean over micro-batches, ``reset_model`` (theta_pre
+    back, by the same scans) and the update of S by the chain rule through
+    ``gamma = gamma_base + (1 - 2 gamma_base) sigmoid(S - sigmoid_bias)``.
+
+    Knowingly different: the region is the other variants' (every tensor but the ``heads``, which hold theta_ft's
+    values as with ``modules_to_save``; the shipped script also froze the embeddings and its prompt head), the loss is
+    the model's own on the benchmark's batch (the reference's ``finetune`` path), the numpy sort reads bf16 weights as
+    fp32 (numpy has no bf16), and the evaluation that ends each of the reference's epochs (the rounded mask on the
+    training and validation sets, ``torch.save`` of S) is left out, as the other variants' steps evaluate nothing.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pretrained: torch.nn.Module,
+        finetuned: torch.nn.Module,
+        heads: list[str] | None,
+        sparsity: float = SPARSITY,
+        device: str = "cpu",
+    ) -> None:
+        self.device = device
+        self.model = model.to(device).eval().requires_grad_(True)
+        self.pretrained = pretrained.to("cpu").eval().requires_grad_(False)
+        self.finetuned = finetuned.to("cpu").eval().requires_grad_(False)
+        heads = tuple(heads or ())
+        self.names = [n for n, _ in self.model.named_parameters() if not any(f".{h}." in f".{n}" for h in heads)]
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name not in self.names:  # a head: theta_ft's, whole
+                    param.copy_(self.finetuned.get_parameter(name))
+            params = [self.find(self.model, name) for name in self.names]
+            self.scores = [torch.rand_like(p) for p in params]
+            self.directions = [self.find(self.finetuned, n) - self.find(self.pretrained, n) for n in self.names]
+            self.base = self.top_movement(sparsity)
+        self.grad: list[torch.Tensor] | None = None
+        self.total_grad: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def find(model: torch.nn.Module, name: str) -> torch.Tensor:
+        """The parameter ``name`` of ``model``, by a scan of all its named parameters (the reference's look-up)."""
+        found = None
+        for other, param in model.named_parameters():
+            if other == name:
+                found = param
+        return found
+
+    def top_movement(self, sparsity: float) -> list[torch.Tensor]:
+        """gamma_base: 1 where ``|theta_ft - theta_pre|`` exceeds the k-th largest magnitude (k = ``sparsity`` of the
+        entries), found by sorting, tensor by tensor, its magnitudes with the best k so far (float64 numpy)."""
+        k = int(sparsity * sum(s.numel() for s in self.scores))
+        best = np.zeros(k)
+        for direction in self.directions:
+            values = np.concatenate([np.abs(direction.float().numpy().ravel()), best])
+            best = -np.sort(-values)[:k]
+        threshold = np.sort(best)[0]
+        masks = []
+        for direction, scores in zip(self.directions, self.scores, strict=True):
+            mask = torch.zeros_like(scores)
+            mask[(direction.abs() > threshold).to(mask.device)] = 1.0
+            masks.append(mask)
+        return masks
+
+    def create_optimizer(self) -> None:
+        """None: the reference updates S by hand."""
+
+    def interpolate(self) -> None:
+        """theta_pre + gamma * (theta_ft - theta_pre) into the working model (``interpolate_model``)."""
+        for name, scores, base in zip(self.names, self.scores, self.base, strict=True):
+            pre = self.find(self.pretrained, name).to(self.device)
+            ft = self.find(self.finetuned, name).to(self.device)
+            with torch.no_grad():
+                for other, param in self.model.named_parameters():
+                    if other == name:
+                        param += (base + (1.0 - 2.0 * base) * torch.sigmoid(scores - SIGMOID_BIAS)) * (ft - pre)
+
+    def reset(self) -> None:
+        """theta_pre back into the working model (``reset_model``)."""
+        for name in self.names:
+            pre = self.find(self.pretrained, name).to(self.device)
+            with torch.no_grad():
+                for other, param in self.model.named_parameters():
+                    if other == name:
+                        param += pre - param
+
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One mask-training step of ``train_graft``: one epoch of one micro-batch, its evaluation left out."""
+        self.total_grad = None  # an epoch starts with total_grad = []
+        self.interpolate()
+        loss = self.model(**batch).loss
+        loss.backward()
+        for name, param in self.model.named_parameters():
+            if name in self.names and param.grad is None:
+                raise RuntimeError(f"{name} got no gradient")
+        self.grad = [p.grad.detach().clone() for n, p in self.model.named_parameters() if n in self.names]
+        self.model.zero_grad()  # torch >= 2 frees the gradients; the reference's torch 1.6 zeroed them in place
+        self.grad = [g * d.to(self.device) for g, d in zip(self.grad, self.directions, strict=True)]
+        self.total_grad = [REFERENCE_LR * g for g in self.grad]  # the first (here the only) micro-batch
+        self.total_grad = [g / 1.0 for g in self.total_grad]  # the mean over the epoch's micro-batches
+        self.reset()
+        with torch.no_grad():
+            for scores, grad, base in zip(self.scores, self.total_grad, self.base, strict=True):
+                shifted = scores - SIGMOID_BIAS  # d gamma / d S, its sigmoid computed twice as there
+                scores -= (1.0 - 2.0 * base) * grad * torch.sigmoid(shifted) * (1.0 - torch.sigmoid(shifted))
+        return loss.detach()
+
+
+def reference_graft(pre: torch.nn.Module, finetuned, device: str = "cpu") -> ReferenceGraft:
+    """The reference step on ``pre`` (its working model), a copy of it (theta_pre) and ``finetuned`` (a model object,
+    or a checkpoint path loaded whole: the reference holds theta_ft as a model)."""
+    if isinstance(finetuned, str):
+        finetuned = type(pre).from_pretrained(finetuned, dtype=pre.dtype)
+    heads = None if isinstance(pre, LlamaForCausalLM) else ["classifier"]
+    return ReferenceGraft(pre, copy.deepcopy(pre), finetuned, heads, SPARSITY, device)
+
+
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = CLOCKS["wall"]  # --clock
 
 
-def step(trainer: Trainer, batch: dict[str, torch.Tensor], meter: Meter, probe=None) -> float:
-    """One training step (forward, backward, optimizer step, gradients released); ``probe(trainer)`` runs, untimed,
-    after the optimizer step while the gradients still exist."""
-    trainer.model.train()
+def step(trainer: Trainer | ReferenceGraft, batch: dict[str, torch.Tensor], meter: Meter, probe=None) -> float:
+    """One training step (forward, backward, optimizer step, gradients released; the reference's whole step, which
+    zeroes the gradients itself and keeps its buffers); ``probe(trainer)`` runs, untimed, after the optimizer step
+    while the gradients still exist."""
+    reference = isinstance(trainer, ReferenceGraft)
+    if not reference:
+        trainer.model.train()
     meter.sync()
     start = clock()
-    trainer.training_step(trainer.model, batch)
-    trainer.optimizer.step()
+    if reference:
+        trainer.step(batch)
+    else:
+        trainer.training_step(trainer.model, batch)
+        trainer.optimizer.step()
     meter.sync()
     elapsed = clock() - start
     if probe is not None:
         probe(trainer)
+    if reference:
+        return elapsed
     start = clock()
     trainer.optimizer.zero_grad(set_to_none=True)
     return elapsed + clock() - start
@@ -177,15 +328,31 @@ def nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
-def kept_state(trainer: Trainer) -> dict[str, int]:
+def kept_state(trainer: Trainer | ReferenceGraft) -> dict[str, int]:
     """Bytes of the state a step keeps (measured on the objects, after the optimizer step, before ``zero_grad``).
 
     Plain: weights, gradients, optimizer state. Mask: the base weights (frozen), then per region learner (see
     ``peft_graft/tuner/learning.py``) S and its gradient, the movement, the int64 indices of the search space (and
     their per-tensor local copies), gamma_base, and the buffers of the soft tensors (``GraftedSearchSpace``'s
-    ``BufferPool``, one per tensor holding part of the search space, in the tensor's dtype).
+    ``BufferPool``, one per tensor holding part of the search space, in the tensor's dtype). Reference: the working
+    model's weights and gradients (none: its ``zero_grad`` freed them), theta_pre and theta_ft, S, gamma_base and
+    theta_ft - theta_pre, and the two gradient-sized lists it keeps until its next step.
     """
     params = {id(p): (n, p) for n, p in trainer.model.named_parameters()}
+    if isinstance(trainer, ReferenceGraft):  # all in the weights' dtype
+
+        def total(tensors) -> int:
+            return sum(nbytes(t) for t in tensors or [])
+
+        return {
+            "parameters": sum(p.numel() for _, p in params.values()),
+            "weights": total(p for _, p in params.values()),
+            "reference": True,
+            "model_copies": total(trainer.pretrained.parameters()) + total(trainer.finetuned.parameters()),
+            "gradients": total(p.grad for _, p in params.values()),
+            "mask_state": total(trainer.scores) + total(trainer.base) + total(trainer.directions),
+            "step_buffers": total(trainer.grad) + total(trainer.total_grad),
+        }
     if not isinstance(trainer, MaskTrainer):
         state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return {
@@ -236,6 +403,8 @@ def build(name: str, variant: str, device: str, dtype: str, cache: str, meter: M
     use_variant(variant)
     if variant == "plain":
         trainer = plain_trainer(pre, device)
+    elif variant == REFERENCE:
+        trainer = reference_graft(pre, finetuned or fine_tuned_like(pre), device)
     else:  # theta_ft: a path (read by the library), or an object dropped once the graft exists
         trainer = mask_trainer(pre, finetuned or fine_tuned_like(pre), search_space(variant), device)
     trainer.create_optimizer()
@@ -281,7 +450,10 @@ def build_all(name: str, variants: list[str], device: str, dtype: str, cache: st
     batch = {k: v.to(device) for k, v in batch_for(pre, name).items()}
     trainers = {"plain": plain_trainer(copy.deepcopy(pre), device)}
     for variant in variants:
-        trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, search_space(variant), device)
+        if variant == REFERENCE:
+            trainers[variant] = reference_graft(copy.deepcopy(pre), finetuned, device)
+        else:
+            trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, search_space(variant), device)
     del finetuned, pre
     for key, trainer in trainers.items():
         use_variant(key)
@@ -426,9 +598,12 @@ def bytes_per_parameter(state: dict) -> dict[str, float]:
     ``*_share`` terms follow the weights' dtype (a gradient, an optimizer state or a soft-tensor buffer has the dtype
     of its tensor): they are given as a multiple of the weights' bytes. The others are fixed: S, its gradient and the
     movement are fp32, and the search-space indices int64, whatever the weights' dtype; dense, they are bytes per
-    parameter; with a search space, bytes per candidate.
+    parameter; with a search space, bytes per candidate. The reference keeps everything in the weights' dtype: shares.
     """
     n, weights = state["parameters"], state["weights"]
+    if state.get("reference"):
+        terms = {"models": "model_copies", "gradient": "gradients", "mask": "mask_state", "step": "step_buffers"}
+        return {"weight_bytes": weights / n, **{f"{k}_share": state[v] / weights for k, v in terms.items()}}
     if "candidates" not in state:
         return {
             "weight_bytes": weights / n,
@@ -453,7 +628,8 @@ GPU_GIB = 80
 def on_paper(measured: dict[str, dict], fractions: list[float], dtype_bytes: int = 2) -> list[str]:
     """What each mode keeps per parameter, and what 7B and 70B models in bf16 need of one 80 GB GPU.
 
-    ``measured``: :func:`bytes_per_parameter` by variant (``plain``, ``none``, fractions). Terms that follow the
+    ``measured``: :func:`bytes_per_parameter` by variant (``plain``, ``none``, fractions, ``reference``: a row only when
+    measured). Terms that follow the
     weights' dtype scale to ``dtype_bytes``; the fp32 and int64 ones stay. A variant not measured falls back on what
     the code keeps (gradient = weights; S, its gradient and the movement fp32; a candidate adds two int64 indices, its
     global and its per-tensor one; every tensor holds some candidate, so one buffer per tensor).
@@ -473,6 +649,13 @@ def on_paper(measured: dict[str, dict], fractions: list[float], dtype_bytes: int
         ("mask, dense S (paper)", b + dense["bytes_per_parameter"],
          f"{b} + S, grad S, movement {dense['bytes_per_parameter']:.0f}"),
     ]  # fmt: skip
+    reference = measured.get(REFERENCE)
+    if reference is not None:
+        shares = {k[: -len("_share")]: v for k, v in reference.items() if k.endswith("_share")}
+        rows.append((
+            "reference code (paper)", b * (1 + sum(shares.values())),
+            f"{b}x(1+" + "+".join(f"{k.replace('gradient', 'grad')} {v:.3g}" for k, v in shares.items()) + ")",
+        ))  # fmt: skip
     for fraction in fractions:
         rows.append((
             f"mask, search_fraction={fraction:g}", b + b * share + fraction * per_candidate,
@@ -506,6 +689,8 @@ def estimated_peak_gb(name: str, variant: str, dtype: str) -> float | None:
     b = DTYPES[dtype].itemsize
     if variant == "plain":
         per_parameter = 2 * b
+    elif variant == REFERENCE:  # three models, the gradients, S, gamma_base, the movement, two gradient-sized lists
+        per_parameter = 10 * b
     elif search_space(variant):  # theta_pre, theta_ft read in fp32, the fp32 movement of every tensor
         per_parameter = b + 8
     else:  # and S, its gradient and the movement again, per module
@@ -555,7 +740,8 @@ def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, fl
 
 
 def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | None) -> dict:
-    """Print the side-by-side table, the targets and the on-paper accounting; return the JSON record."""
+    """Print the side-by-side table, the targets, each mask variant against the reference step and the on-paper
+    accounting; return the JSON record."""
     unit = "GiB allocated on the GPU" if args.device == "cuda" else "GiB RSS"
     plain = results["plain"]
     if pairs is not None:
@@ -566,7 +752,7 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
     header = f"{'load':>6} {'creation':>8} {'ready':>6} {'peak':>6} {'+load':>6}"
     print(f"  {'variant':<22} {'step':>8} {'ratio':>6}  {header}  steps")
     for variant, result in results.items():
-        label = "plain SGD" if variant == "plain" else f"mask search={variant}"
+        label = {"plain": "plain SGD", REFERENCE: "reference code"}.get(variant, f"mask search={variant}")
         if "error" in result or "skipped" in result:
             print(f"  {label:<22} {result.get('error') or result.get('skipped')}")
             continue
@@ -586,7 +772,7 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
             )
     if "median_s" in plain:
         for variant, result in results.items():
-            if variant != "plain" and "ratio" in result:
+            if variant not in ("plain", REFERENCE) and "ratio" in result:
                 ratio = result.get("paired_ratio", result["ratio"])
                 target = 1.0 if search_space(variant) else 1.2
                 time_ok = "met" if ratio <= target else "missed"
@@ -595,6 +781,19 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
                     f"  targets, search={variant}: step {ratio:.2f}x <= {target}x {time_ok}; peak "
                     f"{result['peak_gb']:.2f} <= plain {plain['peak_gb']:.2f} {unit} {memory_ok}"
                 )
+        reference = results.get(REFERENCE, {})
+        if "ratio" in reference and len(results) > 2:  # paired ratios over the reference's, peaks over its peak
+            base = reference.get("paired_ratio", reference["ratio"])
+            cells = [
+                f"search={v} step {r.get('paired_ratio', r['ratio']) / base:.3f}x, "
+                f"peak {r['peak_gb'] / reference['peak_gb']:.2f}x"
+                for v, r in results.items()
+                if v not in ("plain", REFERENCE) and "ratio" in r
+            ]
+            print(
+                f"  against the reference step ({base:.2f}x plain, peak {reference['peak_gb']:.2f} {unit}): "
+                + "; ".join(cells)
+            )
     measured = {v: bytes_per_parameter(r["state"]) for v, r in results.items() if r.get("state")}
     for variant, figures in measured.items():
         print(f"  kept per parameter, {variant}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
@@ -623,8 +822,8 @@ def main() -> None:
     parser.add_argument(
         "--search",
         nargs="+",
-        default=["none", "0.01"],
-        help="mask variants: none (dense S), a search fraction or count, optionally with :keep and/or :no-rows",
+        help="mask variants: none (dense S), a search fraction or count, with suffixes (see above), reference (the "
+        "paper's code); default: none 0.01 reference, and none 0.01 for the Llama models",
     )
     parser.add_argument("--timing", choices=["auto", "alternate", "isolated"], default="auto",
                         help="auto: alternate for the encoder models, isolated for the Llama models")  # fmt: skip
@@ -642,6 +841,8 @@ def main() -> None:
     parser.add_argument("--run", help="measure one variant in this process: plain or a search variant (internal)")
     parser.add_argument("--prepare", action="store_true", help="write theta_ft to the cache (internal)")
     args = parser.parse_args()
+    if args.search is None:
+        args.search = ["none", "0.01"] + ([REFERENCE] if MODELS[args.model].llama is None else [])
     torch.set_num_threads(args.threads)
     global clock
     clock = CLOCKS[args.clock]

@@ -24,7 +24,8 @@ Every ratio is the median (and quartiles) over rounds of the variant's time over
 round times the base then every variant back to back (``rounds``, ``paired_ratios``). Results
 are appended to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
 
-Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]``
+Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]
+[--cases 8:1e-4 32:1e-4]`` (``--cases``: the scaling part's batches, ``grafts:fraction``).
 """
 
 from __future__ import annotations
@@ -235,14 +236,18 @@ def part_mixed(repeats: int) -> dict:
     return result
 
 
-def part_scaling(repeats: int) -> dict:
-    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%), beside LoRA with as many adapters, each
-    against the base forward in the same rounds."""
+SCALING_CASES = ("1:1e-4", "8:1e-4", "32:1e-4", "8:1e-5", "8:1e-3", "8:1e-2")
+"""The scaling part's mixed batches, ``grafts:fraction`` (``--cases``)."""
+
+
+def part_scaling(repeats: int, cases: list[str] = SCALING_CASES) -> dict:
+    """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%), or ``cases``, beside LoRA with as many
+    adapters (at 0.01%), each against the base forward in the same rounds."""
     pre, finetuned = make_pair()
     base = plain_copy(pre)
     inputs = batch(pre.config.vocab_size)
     result = {}
-    for distinct, fraction in ((1, 1e-4), (8, 1e-4), (32, 1e-4), (8, 1e-5), (8, 1e-3), (8, 1e-2)):
+    for distinct, fraction in ((int(c.split(":")[0]), float(c.split(":")[1])) for c in cases):
         model = graft_model(plain_copy(pre), finetuned, distinct, fraction)
         lora = lora_model(base, distinct) if fraction == 1e-4 else None
         times = rounds(mixed_variants(model, lora, inputs, distinct), lambda: forward(base, inputs), repeats)
@@ -317,6 +322,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--grafts", type=int, default=1000, help="for the memory part")
+    parser.add_argument("--cases", nargs="+", default=list(SCALING_CASES), help="the scaling part's grafts:fraction")
     parser.add_argument("--out", default="bench_mixed_batch.jsonl")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -324,7 +330,8 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     if args.child:
         part = PARTS[args.child]
-        print(json.dumps(part(args.grafts) if args.child == "memory" else part(args.repeats)))
+        arguments = {"memory": (args.grafts,), "scaling": (args.repeats, args.cases)}.get(args.child, (args.repeats,))
+        print(json.dumps(part(*arguments)))
         return
     done = set()
     if os.path.exists(args.out):
@@ -345,6 +352,8 @@ def main() -> None:
             str(args.repeats),
             "--grafts",
             str(args.grafts),
+            "--cases",
+            *args.cases,
         ]
         child = subprocess.run(command, capture_output=True, text=True)  # its own process: its own peak RSS
         if child.returncode:
