@@ -500,15 +500,16 @@ def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
 
 
 def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(monkeypatch):
-    """The "sparse_delta" mode builds each linear layer's joined deltas once and reuses them for later batches (any
-    order of names), and builds them again after a change of scale or of a base value under an entry, even one written
-    through ``.data`` (no version counter moves): every linear graft layer's output follows the exact mode's."""
+    """The "sparse_delta" mode builds each graft's delta on a linear layer once, kept with its in-place plan, and
+    reuses it for later batches (any order of names); it builds again the deltas of a graft whose scale changed, and
+    those of a layer where a base value under an entry changed, even through ``.data`` (no version counter moves):
+    every linear graft layer's output follows the exact mode's, example by example."""
     from peft_graft.tuner import mixed_batch
 
     monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
-    built = []
-    original = mixed_batch._graft_deltas
-    monkeypatch.setattr(mixed_batch, "_graft_deltas", lambda *a: built.append(a[0]) or original(*a))
+    built = []  # the plans a delta was built from
+    original = mixed_batch._graft_delta
+    monkeypatch.setattr(mixed_batch, "_graft_delta", lambda plan, *a: built.append(plan) or original(plan, *a))
     _, model = grafts("bert_cls")
     inputs = batch()
     linear = {
@@ -537,9 +538,13 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     assert both(NAMES[::-1]) == first  # reused: same grafts, other order
     model.set_scale(0.8, "news")
     after_scale = both(NAMES)
-    assert after_scale > first
+    with torch.no_grad():
+        news = {id(layer.in_place_plan(("news",))) for layer in linear.values()}
+    assert after_scale > first and {id(plan) for plan in built[first:]} <= news
     with torch.no_grad():  # the in-place plans are those of forwards without autograd
-        plan = next(plan for layer in linear.values() if (plan := layer.in_place_plan(("sst",))) is not None)
+        layer = next(layer for layer in linear.values() if layer.in_place_plan(("sst",)) is not None)
+        plan = layer.in_place_plan(("sst",))
     parameters, attr, entries, _, _ = next(write for write in plan.writes if write[1] == "weight")
     parameters[attr].data.view(-1)[entries[0][0]] += 1e3  # under an entry: "sst" replaces it by its value
-    assert both(NAMES) == after_scale + 1  # that layer only
+    assert both(NAMES) > after_scale
+    assert {id(plan) for plan in built[after_scale:]} <= {id(plan) for plan in layer._in_place_plans.values()}

@@ -258,12 +258,23 @@ def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
-def _sparse_delta(plan, shape: tuple[int, int, bool]):
-    """One graft's change to a linear layer's weight and bias from its in-place ``plan``, as ``(weight entries, their
-    base values, rows, columns, deltas, bias entries, their base values, deltas)`` (deltas in fp32: the grafted value
-    minus the base's, in the parameter's dtype), or None where the exact path is cheaper or needed (a graft denser than
-    :data:`SPARSE_DELTA_MAX_WORK` for a single token, a tensor other than weight and bias)."""
-    out_features, in_features, transposed = shape
+@dataclass
+class GraftDelta:
+    """One graft's change to a linear layer's weight and bias: flat indices of its entries, the base values there when
+    it was built, and the deltas (fp32: the grafted value minus the base's, in the parameter's dtype)."""
+
+    weight_at: torch.Tensor
+    weight_original: torch.Tensor
+    weight: torch.Tensor
+    bias_at: torch.Tensor
+    bias_original: torch.Tensor
+    bias: torch.Tensor
+
+
+def _graft_delta(plan, shape: tuple[int, int, bool], device: torch.device) -> GraftDelta | None:
+    """The :class:`GraftDelta` of a one-graft in-place ``plan``, or None where the exact path is cheaper or needed (a
+    graft denser than :data:`SPARSE_DELTA_MAX_WORK` for a single token, a tensor other than weight and bias)."""
+    out_features, in_features, _ = shape
     parts = {"weight": [], "bias": []}
     for parameters, attr, entries, scale, first in plan.writes:
         if attr not in parts:
@@ -274,13 +285,8 @@ def _sparse_delta(plan, shape: tuple[int, int, bool]):
         delta = graft_entries(original, entries, first, scale).float() - original.float()
         parts[attr].append((entries[0].to(torch.int64), original, delta))
     parameters = plan.writes[0][0] if plan.writes else {}
-    at, original, weight = _joined(parts["weight"], parameters.get("weight"))
-    bias_at, bias_original, bias = _joined(parts["bias"], parameters.get("bias"))
-    if transposed:  # Conv1D stores (in, out)
-        rows, columns = at % out_features, at // out_features
-    else:
-        rows, columns = at // in_features, at % in_features
-    return at, original, rows, columns, weight, bias_at, bias_original, bias
+    joined = [_joined(parts[attr], parameters.get(attr)) for attr in ("weight", "bias")]
+    return GraftDelta(*(t.to(device) for part in joined for t in part))
 
 
 def _joined(parts: list[tuple[torch.Tensor, ...]], like: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -292,59 +298,51 @@ def _joined(parts: list[tuple[torch.Tensor, ...]], like: torch.Tensor | None) ->
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
-@dataclass
-class GraftDeltas:
-    """The sparse deltas of the grafts ``names`` on one linear layer, joined graft after graft. Kept on the layer
-    (``_sparse_deltas``) and reused by later batches while the in-place plans they were built from are current and the
-    base values under their entries unchanged: a delta is the grafted value minus the base value there (which moves it
-    by rounding, and wholly at an entry stored exactly), and a write through ``.data`` moves no version counter, so
-    those values are compared, one gather per layer and batch. Building the deltas takes a few kernels per graft and
-    layer, which for many grafts cost more than their arithmetic."""
+def _joined_deltas(deltas: list[GraftDelta]) -> dict[str, torch.Tensor]:
+    """The grafts' deltas joined graft after graft, with each graft's number of weight and bias entries."""
+    joined = {key: torch.cat([getattr(d, key) for d in deltas]) for key in GraftDelta.__dataclass_fields__}
+    joined["weight_counts"] = torch.tensor([d.weight_at.numel() for d in deltas], device=joined["weight_at"].device)
+    joined["bias_counts"] = torch.tensor([d.bias_at.numel() for d in deltas], device=joined["bias_at"].device)
+    return joined
 
-    names: tuple[str, ...]
-    weight_at: torch.Tensor  # flat indices of the weight entries, and the base values there when built
-    weight_original: torch.Tensor
-    rows: torch.Tensor
-    columns: torch.Tensor
-    weight: torch.Tensor
-    bias_rows: torch.Tensor  # bias entries, and the base values there when built
-    bias_original: torch.Tensor
-    bias: torch.Tensor
-    weight_counts: torch.Tensor  # per graft, its number of weight (bias) entries
-    bias_counts: torch.Tensor
-    density: float  # the largest share of the weight's entries one graft holds
 
-    def base_unchanged(self, layer: nn.Module) -> bool:
-        """Whether the base layer still holds the values the deltas were taken against."""
-        parameters = layer.base_layer._parameters
-        return torch.equal(parameters["weight"].data.take(self.weight_at), self.weight_original) and (
-            not self.bias_rows.numel() or torch.equal(parameters["bias"].data.take(self.bias_rows), self.bias_original)
-        )
+def _base_unchanged(base: nn.Module, joined: dict[str, torch.Tensor]) -> bool:
+    """Whether the base layer still holds the values the deltas were taken against: a delta moves with the base value
+    under it (by rounding, and wholly at an entry stored exactly), and a write through ``.data`` moves no version
+    counter, so the values are compared, one gather per tensor and batch."""
+    parameters = base._parameters
+    return all(
+        not joined[f"{attr}_at"].numel()
+        or torch.equal(parameters[attr].data.take(joined[f"{attr}_at"]), joined[f"{attr}_original"])
+        for attr in ("weight", "bias")
+    )
 
-    def for_batch(self, batch: MixedBatch, device: torch.device) -> LayerDelta:
-        """The :class:`LayerDelta` of ``batch``: every example with its graft's entries (examples in order, entries
-        inner), gathered by one index per part for the whole batch, whatever the number of grafts."""
-        number = {name: i for i, name in enumerate(self.names)}
-        graft = torch.tensor([number.get(name, -1) for name in batch.names], device=device)
-        held = graft.clamp(min=0)
-        examples = torch.arange(len(batch.names), device=device)
-        taken = []
-        for counts in (self.weight_counts, self.bias_counts):
-            lengths = torch.where(graft >= 0, counts[held], 0)
-            shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
-            entry = torch.arange(int(lengths.sum()), device=device) + shift.repeat_interleave(lengths)
-            taken.append((examples.repeat_interleave(lengths), entry))
-        (weight_examples, entry), (bias_examples, bias_entry) = taken
-        return LayerDelta(
-            examples=weight_examples,
-            rows=self.rows[entry],
-            columns=self.columns[entry],
-            weight=self.weight[entry],
-            bias_examples=bias_examples,
-            bias_rows=self.bias_rows[bias_entry],
-            bias=self.bias[bias_entry],
-            density=self.density,
-        )
+
+def _batch_delta(
+    joined: dict[str, torch.Tensor], names: list[str], batch: MixedBatch, shape, device: torch.device
+) -> LayerDelta:
+    """The :class:`LayerDelta` of ``batch`` from the joined deltas of the grafts ``names``: every example with its
+    graft's entries (examples in order, entries inner), gathered by one index per tensor for the whole batch, whatever
+    the number of grafts."""
+    out_features, in_features, transposed = shape
+    number = {name: i for i, name in enumerate(names)}
+    graft = torch.tensor([number.get(name, -1) for name in batch.names], device=device)
+    held = graft.clamp(min=0)
+    examples = torch.arange(len(batch.names), device=device)
+    taken = {}
+    for attr in ("weight", "bias"):
+        counts = joined[f"{attr}_counts"]
+        lengths = torch.where(graft >= 0, counts[held], 0)
+        shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
+        entry = torch.arange(int(lengths.sum()), device=device) + shift.repeat_interleave(lengths)
+        taken[attr] = examples.repeat_interleave(lengths), joined[f"{attr}_at"][entry], joined[attr][entry]
+    weight_examples, at, weight = taken["weight"]
+    if transposed:  # Conv1D stores (in, out)
+        rows, columns = at % out_features, at // out_features
+    else:
+        rows, columns = at // in_features, at % in_features
+    bias_examples, bias_rows, bias = taken["bias"]
+    return LayerDelta(weight_examples, rows, columns, weight, bias_examples, bias_rows, bias)
 
 
 @dataclass
@@ -378,39 +376,30 @@ class LayerDelta:
 
 
 def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], device: torch.device):
-    """``layer``'s :class:`LayerDelta` for ``batch`` (built once per batch from the layer's :class:`GraftDeltas`), or
-    None to take the exact path: not a plain linear layer, or a graft too dense there or changing another of its
-    tensors."""
+    """``layer``'s :class:`LayerDelta` for ``batch`` (built once per batch), or None to take the exact path: not a
+    plain linear layer, or a graft too dense there or changing another of its tensors. Each graft's
+    :class:`GraftDelta` is built once and kept with its in-place plan (so for as long as the plan is current, and freed
+    with it); building one takes a few kernels, which for many grafts cost more than the deltas' arithmetic."""
     shape = _linear_shape(layer.base_layer)
     if shape is None:
         return None
-    names = tuple(sorted(holders))
-    plans = tuple(layer.in_place_plan((name,)) for name in names)
+    names = sorted(holders)
+    plans = [layer.in_place_plan((name,)) for name in names]
     if any(plan is None for plan in plans):
         return None
-    cache = layer.__dict__.setdefault("_sparse_deltas", {})  # holders -> (the plans, their GraftDeltas or None)
-    cached = cache.get(names)
-    fresh = cached is not None and all(a is b for a, b in zip(cached[0], plans, strict=True))
-    if not fresh or (cached[1] is not None and not cached[1].base_unchanged(layer)):
-        cached = cache[names] = (plans, _graft_deltas(names, plans, shape, device))
-    return None if cached[1] is None else cached[1].for_batch(batch, device)
-
-
-def _graft_deltas(names: tuple[str, ...], plans: tuple[Any, ...], shape, device: torch.device) -> GraftDeltas | None:
-    """The :class:`GraftDeltas` of the grafts ``names`` from their in-place ``plans``, or None where one of them takes
-    the exact path."""
-    parts = [_sparse_delta(plan, shape) for plan in plans]
-    if any(part is None for part in parts):
+    for plan in plans:
+        if plan.sparse_delta is None or plan.sparse_delta[0] != shape:
+            plan.sparse_delta = (shape, _graft_delta(plan, shape, device))
+    if any(plan.sparse_delta[1] is None for plan in plans):
         return None
-    at, original, rows, columns, weight, bias_rows, bias_original, bias = (
-        torch.cat(column).to(device) for column in zip(*parts, strict=True)
-    )
-    weight_counts = torch.tensor([part[0].numel() for part in parts], device=device)
-    bias_counts = torch.tensor([part[5].numel() for part in parts], device=device)
-    density = int(weight_counts.max()) / (shape[0] * shape[1])
-    return GraftDeltas(
-        names, at, original, rows, columns, weight, bias_rows, bias_original, bias, weight_counts, bias_counts, density
-    )
+    joined = _joined_deltas([plan.sparse_delta[1] for plan in plans])
+    if not _base_unchanged(layer.base_layer, joined):  # rare: built again against the base as it is now
+        for plan in plans:
+            plan.sparse_delta = (shape, _graft_delta(plan, shape, device))
+        joined = _joined_deltas([plan.sparse_delta[1] for plan in plans])
+    delta = _batch_delta(joined, names, batch, shape, device)
+    delta.density = int(joined["weight_counts"].max()) / (shape[0] * shape[1])
+    return delta
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
