@@ -342,7 +342,8 @@ def _batch_delta(
     else:
         rows, columns = at // in_features, at % in_features
     bias_examples, bias_rows, bias = taken["bias"]
-    return LayerDelta(weight_examples, rows, columns, weight, bias_examples, bias_rows, bias)
+    density = int(joined["weight_counts"].max()) / (out_features * in_features)
+    return LayerDelta(weight_examples, rows, columns, weight, bias_examples, bias_rows, bias, density)
 
 
 @dataclass
@@ -397,9 +398,7 @@ def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], d
         for plan in plans:
             plan.sparse_delta = (shape, _graft_delta(plan, shape, device))
         joined = _joined_deltas([plan.sparse_delta[1] for plan in plans])
-    delta = _batch_delta(joined, names, batch, shape, device)
-    delta.density = int(joined["weight_counts"].max()) / (shape[0] * shape[1])
-    return delta
+    return _batch_delta(joined, names, batch, shape, device)
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
