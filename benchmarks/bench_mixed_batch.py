@@ -25,7 +25,9 @@ round times the base then every variant back to back (``rounds``, ``paired_ratio
 are appended to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
 
 Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]
-[--cases 8:1e-4 32:1e-4]`` (``--cases``: the scaling part's batches, ``grafts:fraction``).
+[--cases 8:1e-4 32:1e-4] [--device cuda]`` (``--cases``: the scaling part's batches, ``grafts:fraction``;
+``--device cuda``: the ``mixed`` and ``scaling`` parts on the GPU, each call timed between ``torch.cuda.synchronize()``
+calls, the models built on the CPU and moved there).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig, Region
 
 BATCH, SEQ_LEN, GROUPS = 32, 128, 8
+DEVICE = torch.device("cpu")  # --device: where the mixed and scaling parts run
 SOURCES = 10  # distinct saved grafts behind the memory part's thousand
 
 
@@ -80,8 +83,13 @@ def batch(vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 def one_time(function) -> float:
+    """Wall time of one call; on CUDA the queued kernels are waited for before and after."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     function()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -94,6 +102,12 @@ def plain_copy(pre: torch.nn.Module) -> torch.nn.Module:
     base = RobertaForSequenceClassification(pre.config).eval()
     base.load_state_dict(pre.state_dict())
     return base
+
+
+def on_device(pre: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The base model (a plain copy of ``pre``) and the batch, on ``DEVICE``."""
+    inputs = batch(pre.config.vocab_size)
+    return plain_copy(pre).to(DEVICE), {key: value.to(DEVICE) for key, value in inputs.items()}
 
 
 # ------------------------------------------------------------------------------------------------ parts
@@ -189,7 +203,7 @@ def graft_model(pre, finetuned, distinct: int, fraction: float):
     model = get_peft_model(pre, graft_config(finetuned, fraction, seed=0), adapter_name="g0").eval()
     for g in range(1, distinct):
         model.add_adapter(f"g{g}", graft_config(finetuned, fraction, seed=g))
-    return model
+    return model.to(DEVICE)
 
 
 def lora_model(base, distinct: int):
@@ -199,7 +213,7 @@ def lora_model(base, distinct: int):
     lora = get_peft_model(plain_copy(base), LoraConfig(**config), adapter_name="g0").eval()
     for g in range(1, distinct):
         lora.add_adapter(f"g{g}", LoraConfig(**config))
-    return lora
+    return lora.to(DEVICE)
 
 
 def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
@@ -225,8 +239,7 @@ def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
 def part_mixed(repeats: int) -> dict:
     """8 grafts of 0.01% and 8 LoRA adapters in mixed batches, timed round by round against one base forward."""
     pre, finetuned = make_pair()
-    base = plain_copy(pre)
-    inputs = batch(pre.config.vocab_size)
+    base, inputs = on_device(pre)
     model = graft_model(pre, finetuned, GROUPS, 1e-4)
     del finetuned
     lora = lora_model(base, GROUPS)
@@ -244,8 +257,7 @@ def part_scaling(repeats: int, cases: list[str] = SCALING_CASES) -> dict:
     """1, 8 and 32 distinct grafts of 0.01% (and 8 of 0.001%, 0.1%, 1%), or ``cases``, beside LoRA with as many
     adapters (at 0.01%), each against the base forward in the same rounds."""
     pre, finetuned = make_pair()
-    base = plain_copy(pre)
-    inputs = batch(pre.config.vocab_size)
+    base, inputs = on_device(pre)
     result = {}
     for distinct, fraction in ((int(c.split(":")[0]), float(c.split(":")[1])) for c in cases):
         model = graft_model(plain_copy(pre), finetuned, distinct, fraction)
@@ -324,10 +336,13 @@ def main() -> None:
     parser.add_argument("--grafts", type=int, default=1000, help="for the memory part")
     parser.add_argument("--cases", nargs="+", default=list(SCALING_CASES), help="the scaling part's grafts:fraction")
     parser.add_argument("--out", default="bench_mixed_batch.jsonl")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for the mixed and scaling parts")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(2)
     hf_logging.set_verbosity_error()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.child:
         part = PARTS[args.child]
         arguments = {"memory": (args.grafts,), "scaling": (args.repeats, args.cases)}.get(args.child, (args.repeats,))
@@ -337,7 +352,8 @@ def main() -> None:
     if os.path.exists(args.out):
         with open(args.out) as handle:
             done = {json.loads(line)["part"] for line in handle if line.strip()}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH} x {SEQ_LEN}")
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, batch {BATCH} x {SEQ_LEN}")
     for name in args.parts:
         if name in done:
             print(f"{name}: already in {args.out}")
@@ -352,6 +368,8 @@ def main() -> None:
             str(args.repeats),
             "--grafts",
             str(args.grafts),
+            "--device",
+            args.device,
             "--cases",
             *args.cases,
         ]
@@ -359,7 +377,7 @@ def main() -> None:
         if child.returncode:
             sys.exit(f"part {name} failed:\n{child.stderr[-5000:]}")
         output = child.stdout
-        record = {"part": name, "load_before": load_before, "load_after": load_average()}
+        record = {"part": name, "device": args.device, "load_before": load_before, "load_after": load_average()}
         record.update(json.loads(output.strip().splitlines()[-1]))
         with open(args.out, "a") as handle:
             handle.write(json.dumps(record) + "\n")

