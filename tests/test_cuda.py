@@ -189,3 +189,54 @@ def test_a_mixed_graft_batch_on_the_gpu_equals_each_graft_alone(saved_grafts):
         expected = alone[name][row]
         assert (mixed[row] - expected).abs().max() <= rtol * expected.abs().max(), f"row {row} ({name})"
     assert not torch.equal(alone["a"], alone["__base__"]) and not torch.equal(alone["b"], alone["__base__"])
+
+
+def _synchronisations(run) -> int:
+    """How many times ``run()`` makes the host wait for the GPU (torch's sync debug mode, counted)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_the_sparse_delta_mode_on_the_gpu_follows_the_exact_mode_and_waits_for_the_gpu_once_per_batch(
+    saved_grafts, monkeypatch
+):
+    """The "sparse_delta" mode on the GPU: every row within rounding of the exact mode's, with the delta path taken on
+    the linear layers; building a batch's deltas makes the host wait for the GPU once (the base values of every layer
+    read back at once, the indices sent from pinned memory) beyond what a single-graft forward waits, not several
+    times per layer."""
+    from peft_graft.tuner import mixed_batch
+
+    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold a large share of a tensor
+    pre, folder, dtype = saved_grafts
+    model = _load_on_gpu(pre, folder, dtype, False)
+    ids, names = input_ids(4).cuda(), ["b", "a", "__base__", "b"]
+    added = []
+    original = mixed_batch.LayerDelta.add_to
+    monkeypatch.setattr(
+        mixed_batch.LayerDelta, "add_to", lambda self, out, x: added.append(1) or original(self, out, x)
+    )
+    outputs = {}
+    with torch.inference_mode():
+        exact = model(input_ids=ids, adapter_names=names).logits
+        model.base_model.set_adapter("a", inference_mode=True)
+        model(input_ids=ids)  # its in-place plans built
+        single = _synchronisations(lambda: model(input_ids=ids))
+        model.base_model.set_mixed_batch_mode("sparse_delta")
+        model(input_ids=ids, adapter_names=names)  # each graft's deltas built, kept for the next batches
+        added.clear()
+        mixed = _synchronisations(lambda: outputs.setdefault("fast", model(input_ids=ids, adapter_names=names).logits))
+    assert added  # the delta path ran
+    assert mixed <= single + 1, (mixed, single)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    for row in range(len(names)):
+        expected = exact[row]
+        assert (outputs["fast"][row] - expected).abs().max() <= rtol * expected.abs().max(), row

@@ -373,11 +373,16 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
     from peft_graft.tuner import mixed_batch
 
     monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
-    taken = []
-    original = mixed_batch._layer_delta
-    monkeypatch.setattr(
-        mixed_batch, "_layer_delta", lambda *a: taken.append(a[0]) or original(*a)
-    )  # records the layers that asked for the delta path
+    taken = []  # the layers that took the delta path
+    original = mixed_batch._joined_for
+
+    def joined_for(layer, *args, **kwargs):
+        joined = original(layer, *args, **kwargs)
+        if joined is not None:
+            taken.append(layer)
+        return joined
+
+    monkeypatch.setattr(mixed_batch, "_joined_for", joined_for)
     _, model = grafts(arch)
     inputs, before = batch(), state(model)
     with torch.no_grad():

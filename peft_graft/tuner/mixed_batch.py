@@ -83,7 +83,7 @@ class MixedBatch:
 def _index(positions: list[int], device: torch.device) -> slice | torch.Tensor:
     if positions == list(range(positions[0], positions[-1] + 1)):
         return slice(positions[0], positions[-1] + 1)
-    return torch.tensor(positions, dtype=torch.int64, device=device)
+    return _to_device(torch.tensor(positions, dtype=torch.int64), device)
 
 
 def check_adapter_names(tuner: nn.Module, adapter_names: object, batch_size: int | None) -> list[str]:
@@ -175,6 +175,8 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
                         )
                     else:
                         module.mixed_batch = batch
+                if delta:
+                    prepare_sparse_deltas([(layer, layer.mixed_batch) for layer in layers])
                 yield
             finally:
                 _clear(tuner)
@@ -222,14 +224,12 @@ def _encoder(model: nn.Module) -> nn.Module | None:
 def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict) -> Any:
     """A graft layer's forward for a mixed batch: its base layer once per group of examples (see the module doc)."""
     x, rest = args[0], args[1:]
-    holders = batch.holders.get(id(layer))
-    if holders is None:
-        holders = batch.holders[id(layer)] = frozenset(n for n in batch.positions if n != BASE and _holds(layer, n))
+    holders = _holders(layer, batch)
     if not holders:
         return layer.base_layer(*args, **kwargs)
     if batch.sparse_delta and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1:
-        if id(layer) not in batch.deltas:
-            batch.deltas[id(layer)] = _layer_delta(layer, batch, holders, x.device)
+        if id(layer) not in batch.deltas:  # built before the forward (prepare_sparse_deltas), unless added since
+            prepare_sparse_deltas([(layer, batch)])
         delta = batch.deltas[id(layer)]
         tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
         if delta is not None and x.shape[0] == len(batch.names) and delta.density * tokens <= SPARSE_DELTA_MAX_WORK:
@@ -247,6 +247,14 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
         )
 
     return _combine(batch.groups(x.device), run, x, len(batch.names), type(layer.base_layer).__name__)
+
+
+def _holders(layer: nn.Module, batch: MixedBatch) -> frozenset[str]:
+    """The grafts of ``batch`` with entries in ``layer`` (found once per batch)."""
+    holders = batch.holders.get(id(layer))
+    if holders is None:
+        holders = batch.holders[id(layer)] = frozenset(n for n in batch.positions if n != BASE and _holds(layer, n))
+    return holders
 
 
 def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
@@ -298,67 +306,94 @@ def _joined(parts: list[tuple[torch.Tensor, ...]], like: torch.Tensor | None) ->
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
-def _joined_deltas(deltas: list[GraftDelta]) -> dict[str, torch.Tensor]:
-    """The grafts' deltas joined graft after graft, with each graft's number of weight and bias entries."""
-    joined = {key: torch.cat([getattr(d, key) for d in deltas]) for key in GraftDelta.__dataclass_fields__}
-    joined["weight_counts"] = torch.tensor([d.weight_at.numel() for d in deltas], device=joined["weight_at"].device)
-    joined["bias_counts"] = torch.tensor([d.bias_at.numel() for d in deltas], device=joined["bias_at"].device)
+def _joined_deltas(deltas: list[GraftDelta]) -> dict[str, Any]:
+    """The grafts' deltas joined graft after graft, with each graft's number of weight and bias entries (ints)."""
+    joined: dict[str, Any] = {
+        key: torch.cat([getattr(d, key) for d in deltas]) for key in GraftDelta.__dataclass_fields__
+    }
+    joined["weight_counts"] = [d.weight_at.numel() for d in deltas]
+    joined["bias_counts"] = [d.bias_at.numel() for d in deltas]
     return joined
 
 
-def _base_unchanged(base: nn.Module, joined: dict[str, torch.Tensor]) -> bool:
-    """Whether the base layer still holds the values the deltas were taken against: a delta moves with the base value
-    under it (by rounding, and wholly at an entry stored exactly), and a write through ``.data`` moves no version
-    counter, so the values are compared, one gather per tensor and batch."""
+def _changed(base: nn.Module, joined: dict[str, Any]) -> torch.Tensor | None:
+    """Whether a base value under an entry is no longer the one its delta was taken against (a delta moves with the
+    base value under it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
+    counter, so the values are compared, one gather per tensor and batch). A boolean tensor on the layer's device,
+    read back with every other layer's at once (:func:`_read_flags`); None where there is nothing to compare."""
     parameters = base._parameters
-    return all(
-        not joined[f"{attr}_at"].numel()
-        or torch.equal(parameters[attr].data.take(joined[f"{attr}_at"]), joined[f"{attr}_original"])
+    checks = [
+        (parameters[attr].data.take(joined[f"{attr}_at"]) != joined[f"{attr}_original"]).any()
         for attr in ("weight", "bias")
-    )
+        if joined[f"{attr}_at"].numel()
+    ]
+    return torch.stack(checks).any() if checks else None
 
 
-def _batch_delta(
-    joined: dict[str, torch.Tensor], names: list[str], batch: MixedBatch, shape, device: torch.device
-) -> LayerDelta:
+def _read_flags(flags: list[torch.Tensor | None]) -> list[bool]:
+    """``flags`` as bools, read back with one transfer per device (on a GPU each read waits for its queue)."""
+    values = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        if flag is not None:
+            by_device.setdefault(flag.device, []).append(i)
+    for positions in by_device.values():
+        for i, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist(), strict=True):
+            values[i] = value
+    return values
+
+
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built index on ``device``: on CUDA through pinned memory without waiting (a plain copy from pageable
+    memory would wait for the GPU's queue)."""
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def _batch_delta(joined: dict[str, Any], names: list[str], batch: MixedBatch, shape) -> LayerDelta:
     """The :class:`LayerDelta` of ``batch`` from the joined deltas of the grafts ``names``: every example with its
     graft's entries (examples in order, entries inner), gathered by one index per tensor for the whole batch, whatever
-    the number of grafts."""
+    the number of grafts. The index is computed on the host from the entry counts and sent in one copy, so nothing
+    here waits for the device."""
     out_features, in_features, transposed = shape
     number = {name: i for i, name in enumerate(names)}
-    graft = torch.tensor([number.get(name, -1) for name in batch.names], device=device)
+    graft = torch.tensor([number.get(name, -1) for name in batch.names])
     held = graft.clamp(min=0)
-    examples = torch.arange(len(batch.names), device=device)
-    taken = {}
+    parts = []
     for attr in ("weight", "bias"):
-        counts = joined[f"{attr}_counts"]
+        counts = torch.tensor(joined[f"{attr}_counts"], dtype=torch.int64)
         lengths = torch.where(graft >= 0, counts[held], 0)
         shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
-        entry = torch.arange(int(lengths.sum()), device=device) + shift.repeat_interleave(lengths)
-        taken[attr] = examples.repeat_interleave(lengths), joined[f"{attr}_at"][entry], joined[attr][entry]
-    weight_examples, at, weight = taken["weight"]
+        pairs = int(lengths.sum())
+        parts += [torch.arange(len(batch.names)).repeat_interleave(lengths, output_size=pairs)]
+        parts += [torch.arange(pairs) + shift.repeat_interleave(lengths, output_size=pairs)]
+    sizes = [part.numel() for part in parts]
+    weight_examples, weight_entry, bias_examples, bias_entry = _to_device(
+        torch.cat(parts), joined["weight"].device
+    ).split(sizes)
+    at, weight = joined["weight_at"][weight_entry], joined["weight"][weight_entry]
     if transposed:  # Conv1D stores (in, out)
         rows, columns = at % out_features, at // out_features
     else:
         rows, columns = at // in_features, at % in_features
-    bias_examples, bias_rows, bias = taken["bias"]
-    density = int(joined["weight_counts"].max()) / (out_features * in_features)
-    return LayerDelta(weight_examples, rows, columns, weight, bias_examples, bias_rows, bias, density)
+    bias_rows, bias = joined["bias_at"][bias_entry], joined["bias"][bias_entry]
+    density = max(joined["weight_counts"]) / (out_features * in_features)
+    indices = torch.cat([weight_examples, bias_examples]), torch.cat([rows, bias_rows])
+    return LayerDelta(weight_examples, columns, weight, bias, indices, density)
 
 
 @dataclass
 class LayerDelta:
     """Every group's sparse delta on one linear layer, flattened over (example, entry) pairs: the weight part adds
     ``x[example, ..., column] * weight`` to ``out[example, ..., row]``, the bias part adds ``bias`` to
-    ``out[example, ..., bias_row]``."""
+    ``out[example, ..., bias_row]``; ``indices`` are the (example, row) of both parts, weight then bias."""
 
     examples: torch.Tensor
-    rows: torch.Tensor
     columns: torch.Tensor
     weight: torch.Tensor
-    bias_examples: torch.Tensor
-    bias_rows: torch.Tensor
     bias: torch.Tensor
+    indices: tuple[torch.Tensor, torch.Tensor]
     density: float = 0.0  # the largest share of the weight's entries one graft holds
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -370,35 +405,51 @@ class LayerDelta:
         out = out.contiguous()
         out_t = out.view(batch_size, -1, out.shape[-1]).transpose(1, 2)  # (example, feature, token), a view
         values = x3[self.examples, :, self.columns].float() * self.weight[:, None]
-        values = torch.cat([values, self.bias[:, None].expand(-1, x3.shape[1])])
-        indices = torch.cat([self.examples, self.bias_examples]), torch.cat([self.rows, self.bias_rows])
-        out_t.index_put_(indices, values.to(out.dtype), accumulate=True)
+        if self.bias.numel():
+            values = torch.cat([values, self.bias[:, None].expand(-1, x3.shape[1])])
+        out_t.index_put_(self.indices, values.to(out.dtype), accumulate=True)
         return out
 
 
-def _layer_delta(layer: nn.Module, batch: MixedBatch, holders: frozenset[str], device: torch.device):
-    """``layer``'s :class:`LayerDelta` for ``batch`` (built once per batch), or None to take the exact path: not a
-    plain linear layer, or a graft too dense there or changing another of its tensors. Each graft's
-    :class:`GraftDelta` is built once and kept with its in-place plan (so for as long as the plan is current, and freed
-    with it); building one takes a few kernels, which for many grafts cost more than the deltas' arithmetic."""
+def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
+    """Each ``(layer, batch)``'s :class:`LayerDelta` into ``batch.deltas`` (None to take the exact path: not a plain
+    linear layer, or a graft too dense there or changing another of its tensors), built before the forward so that
+    the base values of every layer are compared with one read per device (on a GPU a read per layer would make the
+    host wait for the queue at every layer). Each graft's :class:`GraftDelta` is built once and kept with its in-place
+    plan (so for as long as the plan is current, and freed with it); building one takes a few kernels, which for many
+    grafts cost more than the deltas' arithmetic."""
+    found = []
+    for layer, batch in layers:
+        holders = _holders(layer, batch)
+        joined = _joined_for(layer, holders) if holders else None
+        batch.deltas[id(layer)] = None
+        if joined is not None:
+            found.append((layer, batch, holders, joined))
+    changed = _read_flags([_changed(layer.base_layer, joined) for layer, _, _, joined in found])
+    for (layer, batch, holders, joined), again in zip(found, changed, strict=True):
+        if again:  # rare: built again against the base as it is now
+            joined = _joined_for(layer, holders, rebuild=True)
+        shape = _linear_shape(layer.base_layer)
+        batch.deltas[id(layer)] = _batch_delta(joined, sorted(holders), batch, shape)
+
+
+def _joined_for(layer: nn.Module, holders: frozenset[str], rebuild: bool = False) -> dict[str, Any] | None:
+    """The joined :class:`GraftDelta` of ``holders`` on ``layer`` (``rebuild``: each built anew), or None where the
+    exact path is needed."""
     shape = _linear_shape(layer.base_layer)
-    if shape is None:
+    if shape is None or layer.base_layer.weight.device.type == "meta":
         return None
     names = sorted(holders)
     plans = [layer.in_place_plan((name,)) for name in names]
     if any(plan is None for plan in plans):
         return None
+    device = layer.base_layer.weight.device
     for plan in plans:
-        if plan.sparse_delta is None or plan.sparse_delta[0] != shape:
+        if rebuild or plan.sparse_delta is None or plan.sparse_delta[0] != shape:
             plan.sparse_delta = (shape, _graft_delta(plan, shape, device))
     if any(plan.sparse_delta[1] is None for plan in plans):
         return None
-    joined = _joined_deltas([plan.sparse_delta[1] for plan in plans])
-    if not _base_unchanged(layer.base_layer, joined):  # rare: built again against the base as it is now
-        for plan in plans:
-            plan.sparse_delta = (shape, _graft_delta(plan, shape, device))
-        joined = _joined_deltas([plan.sparse_delta[1] for plan in plans])
-    return _batch_delta(joined, names, batch, shape, device)
+    return _joined_deltas([plan.sparse_delta[1] for plan in plans])
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
