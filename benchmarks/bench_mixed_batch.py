@@ -339,10 +339,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for the mixed and scaling parts")
     parser.add_argument("--child", choices=list(PARTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    hf_logging.set_verbosity_error()
     global DEVICE
     DEVICE = torch.device(args.device)
+    torch.set_num_threads(2 if DEVICE.type == "cpu" else min(8, os.cpu_count() or 1))  # on a GPU: building only
+    hf_logging.set_verbosity_error()
     if args.child:
         part = PARTS[args.child]
         arguments = {"memory": (args.grafts,), "scaling": (args.repeats, args.cases)}.get(args.child, (args.repeats,))

@@ -184,12 +184,13 @@ def num_parameters(name: str) -> int | None:
 
 
 def fine_tuned_like(model: torch.nn.Module) -> torch.nn.Module:
-    """theta_ft of the encoder models: every entry moved by seeded noise (a stand-in for fine-tuning)."""
+    """theta_ft of the encoder models: every entry moved by seeded noise (a stand-in for fine-tuning), drawn on the
+    CPU (the same values for a model on any device)."""
     finetuned = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in finetuned.parameters():
-            param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * 1e-3)
+            param.add_(torch.randn(param.shape, generator=generator).to(param.device, param.dtype) * 1e-3)
     return finetuned
 
 
