@@ -213,16 +213,16 @@ def test_the_sparse_delta_mode_on_the_gpu_follows_the_exact_mode_and_waits_for_t
     the linear layers; building a batch's deltas makes the host wait for the GPU once (the base values of every layer
     read back at once, the indices sent from pinned memory) beyond what a single-graft forward waits, not several
     times per layer."""
-    from peft_graft.tuner import mixed_batch
+    from peft_graft.tuner import sparse_delta
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold a large share of a tensor
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold a large share of a tensor
     pre, folder, dtype = saved_grafts
     model = _load_on_gpu(pre, folder, dtype, False)
     ids, names = input_ids(4).cuda(), ["b", "a", "__base__", "b"]
     added = []
-    original = mixed_batch.LayerDelta.add_to
+    original = sparse_delta.LayerDelta.add_to
     monkeypatch.setattr(
-        mixed_batch.LayerDelta, "add_to", lambda self, out, x: added.append(1) or original(self, out, x)
+        sparse_delta.LayerDelta, "add_to", lambda self, out, x: added.append(1) or original(self, out, x)
     )
     outputs = {}
     with torch.inference_mode():

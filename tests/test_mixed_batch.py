@@ -370,11 +370,11 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
     sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ from the exact
     per-group path by no more than the documented rounding bound; the other layers stay bit-exact; the logits stay
     within RTOL of the exact mode's; the base is left untouched."""
-    from peft_graft.tuner import mixed_batch
+    from peft_graft.tuner import sparse_delta
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     taken = []  # the layers that took the delta path
-    original = mixed_batch._joined_for
+    original = sparse_delta._joined_for
 
     def joined_for(layer, *args, **kwargs):
         joined = original(layer, *args, **kwargs)
@@ -382,7 +382,7 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
             taken.append(layer)
         return joined
 
-    monkeypatch.setattr(mixed_batch, "_joined_for", joined_for)
+    monkeypatch.setattr(sparse_delta, "_joined_for", joined_for)
     _, model = grafts(arch)
     inputs, before = batch(), state(model)
     with torch.no_grad():
@@ -405,7 +405,7 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
         handle.remove()
     assert unchanged(model, before)
     assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
-    linear = {name for name, layer in layers.items() if mixed_batch._linear_shape(layer.base_layer) is not None}
+    linear = {name for name, layer in layers.items() if sparse_delta.linear_shape(layer.base_layer) is not None}
     assert linear and {id(layers[name]) for name in linear} <= {id(layer) for layer in taken}
     for graft in dict.fromkeys(NAMES):
         rows = [i for i, n in enumerate(NAMES) if n == graft]
@@ -423,7 +423,7 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
             if name not in linear:
                 assert torch.equal(output[rows], expected), (graft, name)
                 continue
-            shape = mixed_batch._linear_shape(layer.base_layer)
+            shape = sparse_delta.linear_shape(layer.base_layer)
             base = layer.base_layer.weight
             with torch.no_grad():
                 overrides = {} if graft == "__base__" else layer.effective_parameters([graft])
@@ -457,13 +457,13 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
     """Greedy generation in the "sparse_delta" mode: prefill and every decoding step take the delta path on the linear
     graft layers (GPT-2's Conv1D, Llama's tied output embedding), and the tokens and each step's logits are the exact
     mode's to rounding; the base is left untouched."""
-    from peft_graft.tuner import mixed_batch
+    from peft_graft.tuner import sparse_delta
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     lengths = []
-    original = mixed_batch.LayerDelta.add_to
+    original = sparse_delta.LayerDelta.add_to
     monkeypatch.setattr(
-        mixed_batch.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
+        sparse_delta.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
     )
     _, model = grafts(arch)
     inputs, before = batch(), state(model)
@@ -485,13 +485,13 @@ def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
     """A layer's call takes the delta path only where graft density x tokens per example is within
     SPARSE_DELTA_MAX_WORK: with grafts of 5% and a bound of 0.1, a decoding step (1 token) takes it and the 9-token
     prefill does not; the tokens are the exact mode's."""
-    from peft_graft.tuner import mixed_batch
+    from peft_graft.tuner import sparse_delta
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 0.1)
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0.1)
     lengths = []
-    original = mixed_batch.LayerDelta.add_to
+    original = sparse_delta.LayerDelta.add_to
     monkeypatch.setattr(
-        mixed_batch.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
+        sparse_delta.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
     )
     _, model = grafts("llama")
     inputs = batch()
@@ -509,18 +509,18 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     reuses it for later batches (any order of names); it builds again the deltas of a graft whose scale changed, and
     those of a layer where a base value under an entry changed, even through ``.data`` (no version counter moves):
     every linear graft layer's output follows the exact mode's, example by example."""
-    from peft_graft.tuner import mixed_batch
+    from peft_graft.tuner import sparse_delta
 
-    monkeypatch.setattr(mixed_batch, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     built = []  # the plans a delta was built from
-    original = mixed_batch._graft_delta
-    monkeypatch.setattr(mixed_batch, "_graft_delta", lambda plan, *a: built.append(plan) or original(plan, *a))
+    original = sparse_delta.graft_values
+    monkeypatch.setattr(sparse_delta, "graft_values", lambda plan, *a: built.append(plan) or original(plan, *a))
     _, model = grafts("bert_cls")
     inputs = batch()
     linear = {
         name: layer
         for name, layer in model.base_model.graft_layers().items()
-        if mixed_batch._linear_shape(layer.base_layer) is not None
+        if sparse_delta.linear_shape(layer.base_layer) is not None
     }
     outputs = {}
     for name, layer in linear.items():
@@ -544,7 +544,7 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     model.set_scale(0.8, "news")
     after_scale = both(NAMES)
     with torch.no_grad():
-        news = {id(layer.in_place_plan(("news",))) for layer in linear.values()}
+        news = {id(layer.in_place_plan(("news",))) for layer in model.base_model.graft_layers().values()}
     assert after_scale > first and {id(plan) for plan in built[first:]} <= news
     with torch.no_grad():  # the in-place plans are those of forwards without autograd
         layer = next(layer for layer in linear.values() if layer.in_place_plan(("sst",)) is not None)
@@ -553,3 +553,80 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     parameters[attr].data.view(-1)[entries[0][0]] += 1e3  # under an entry: "sst" replaces it by its value
     assert both(NAMES) > after_scale
     assert {id(plan) for plan in built[after_scale:]} <= {id(plan) for plan in layer._in_place_plans.values()}
+
+
+def _layer_outputs(model, names, inputs, mode: str) -> dict[str, torch.Tensor]:
+    """Every graft layer's output in a mixed batch of ``names`` in ``mode``."""
+    outputs = {}
+    handles = [
+        layer.register_forward_hook(lambda _, args, out, name=name: outputs.__setitem__(name, out.detach().clone()))
+        for name, layer in model.base_model.graft_layers().items()
+    ]
+    model.set_mixed_batch_mode(mode)
+    try:
+        with torch.no_grad():
+            model(**inputs, adapter_names=names)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert_cls"])
+def test_sparse_delta_mode_runs_vector_layers_once_per_batch_where_that_is_exact(arch, monkeypatch):
+    """In the "sparse_delta" mode, a layer whose grafted tensors are vectors runs once for the whole batch with a copy
+        per example, its graft's values written in, where that gave the exact path's outputs on its first call: Llama's
+        RMSNorms (their output bit for bit the exact mode's, in later batches too); not BERT's LayerNorms (whose kernel
+        takes no per-example weight: the exact path, bit for bit). The linear layers take the exact path here, so that every
+    layer sees the exact mode's inputs."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0)  # linear layers exact: the same inputs everywhere
+    _, model = grafts(arch)
+    inputs, before = batch(), state(model)
+    vectors = {
+        name: layer
+        for name, layer in model.base_model.graft_layers().items()
+        if sparse_delta._kind(layer.base_layer) is not None and sparse_delta._kind(layer.base_layer)[0] == "vector"
+    }
+    assert vectors
+    calls = []
+    original = sparse_delta.ExampleParameters.forward
+
+    def forward(self, layer, *args):
+        calls.append(layer)
+        return original(self, layer, *args)
+
+    monkeypatch.setattr(sparse_delta.ExampleParameters, "forward", forward)
+    for names in (NAMES, NAMES[::-1]):  # the first batch checks each layer, the second runs what the check chose
+        exact = _layer_outputs(model, names, inputs, "exact")
+        fast = _layer_outputs(model, names, inputs, "sparse_delta")
+        for name in vectors:
+            assert torch.equal(fast[name], exact[name]), name
+    verdicts = {layer.__dict__.get(sparse_delta.EXACT_WITH_EXAMPLE_PARAMETERS) for layer in vectors.values()}
+    assert verdicts == ({True} if arch == "llama" else {False})
+    assert {id(layer) for layer in calls} == {id(layer) for layer in vectors.values()}
+    assert unchanged(model, before)
+
+
+def test_sparse_delta_mode_keeps_the_exact_path_for_a_vector_layer_whose_check_fails(monkeypatch):
+    """A vector layer whose per-example output differs from the exact path's on its first call (here made to differ)
+    keeps the exact path from then on: its outputs are the exact mode's, bit for bit."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0)
+    original = torch.func.functional_call
+    monkeypatch.setattr(torch.func, "functional_call", lambda *a, **k: original(*a, **k) + 1.0)
+    _, model = grafts("llama")
+    inputs = batch()
+    vectors = [
+        name
+        for name, layer in model.base_model.graft_layers().items()
+        if sparse_delta._kind(layer.base_layer) is not None and sparse_delta._kind(layer.base_layer)[0] == "vector"
+    ]
+    for names in (NAMES, NAMES[::-1]):
+        exact = _layer_outputs(model, names, inputs, "exact")
+        fast = _layer_outputs(model, names, inputs, "sparse_delta")
+        assert all(torch.equal(fast[name], exact[name]) for name in vectors)
+    layers = model.base_model.graft_layers()
+    assert all(layers[name].__dict__[sparse_delta.EXACT_WITH_EXAMPLE_PARAMETERS] is False for name in vectors)

@@ -16,14 +16,9 @@ single-graft path's guarantees: threads run one at a time, a forward nested insi
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
 
-``model.set_mixed_batch_mode("sparse_delta")`` trades that bit-exactness for speed: a ``Linear`` (or GPT-2
-``Conv1D``) layer whose grafts are sparse there for the call (:data:`SPARSE_DELTA_MAX_WORK`: decoding steps qualify
-where a prefill may not) runs its base layer once for the whole batch and adds each group's sparse delta to its rows'
-outputs, ``y[:, r] += x[:, c] * d`` per entry (and ``d`` at a bias entry); other layers keep the exact per-group path.
-A delta output differs from the exact one by floating-point rounding only: at most
-``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per output (``n`` the layer's input size, ``u`` the unit
-roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``, ``w`` and ``w'`` the row of the base and of the grafted
-weight), the bound ``tests/test_mixed_batch.py`` checks.
+``model.set_mixed_batch_mode("sparse_delta")`` runs a linear layer whose grafts are sparse enough there, and a layer
+whose grafted tensors are vectors (an RMSNorm's weight), once for the whole batch instead (sparse_delta.py: linear
+layers within a stated rounding bound, vector layers bit-exact where checked); other layers keep the exact path.
 """
 
 from __future__ import annotations
@@ -37,19 +32,14 @@ import torch
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from .entries import graft_entries
+from . import sparse_delta
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
+from .sparse_delta import ExampleParameters, LayerDelta, to_device
 
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
 
 MIXED_BATCH_MODES = ("exact", "sparse_delta")
 """``"exact"``: per-group base calls, bit-exact per example (the default); ``"sparse_delta"``: see the module doc."""
-
-SPARSE_DELTA_MAX_WORK = 0.02
-"""A layer's call takes the sparse-delta path only where (the largest share of its weight's entries a graft holds) x
-(tokens per example) is at most this: the deltas cost one gather and scatter per entry and token, the exact path one
-base call per group. Set from RoBERTa-base batches of 32 x 128 with 8 grafts, where the delta path was faster at 0.01%
-(1.28e-2 here) and slower at 0.1% (1.28e-1); BENCHMARKS.md, "Re-taken side by side (issue 38, second run)"."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -66,7 +56,8 @@ class MixedBatch:
     sparse_delta: bool = False  # the "sparse_delta" mode (see the module doc)
     positions: dict[str, list[int]] = field(default_factory=dict)
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
-    deltas: dict[int, LayerDelta | None] = field(default_factory=dict)  # by id(layer), in the "sparse_delta" mode
+    # by id(layer), in the "sparse_delta" mode: what the layer runs with (None: the exact path)
+    deltas: dict[int, LayerDelta | ExampleParameters | None] = field(default_factory=dict)
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,7 +74,7 @@ class MixedBatch:
 def _index(positions: list[int], device: torch.device) -> slice | torch.Tensor:
     if positions == list(range(positions[0], positions[-1] + 1)):
         return slice(positions[0], positions[-1] + 1)
-    return _to_device(torch.tensor(positions, dtype=torch.int64), device)
+    return to_device(torch.tensor(positions, dtype=torch.int64), device)
 
 
 def check_adapter_names(tuner: nn.Module, adapter_names: object, batch_size: int | None) -> list[str]:
@@ -221,19 +212,23 @@ def _encoder(model: nn.Module) -> nn.Module | None:
     return None if encoder is model else encoder
 
 
-def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict) -> Any:
-    """A graft layer's forward for a mixed batch: its base layer once per group of examples (see the module doc)."""
+def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict, exact: bool = False) -> Any:
+    """A graft layer's forward for a mixed batch: its base layer once per group of examples (see the module doc), or
+    in the "sparse_delta" mode once for the batch where that applies (``exact``: per group whatever the mode)."""
     x, rest = args[0], args[1:]
     holders = _holders(layer, batch)
     if not holders:
         return layer.base_layer(*args, **kwargs)
-    if batch.sparse_delta and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1:
+    if batch.sparse_delta and not exact and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1:
         if id(layer) not in batch.deltas:  # built before the forward (prepare_sparse_deltas), unless added since
             prepare_sparse_deltas([(layer, batch)])
         delta = batch.deltas[id(layer)]
-        tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
-        if delta is not None and x.shape[0] == len(batch.names) and delta.density * tokens <= SPARSE_DELTA_MAX_WORK:
-            return delta.add_to(layer.base_layer(x), x)
+        if x.shape[0] == len(batch.names) and isinstance(delta, LayerDelta):
+            tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
+            if delta.density * tokens <= sparse_delta.SPARSE_DELTA_MAX_WORK:
+                return delta.add_to(layer.base_layer(x), x)
+        if x.shape[0] == len(batch.names) and isinstance(delta, ExampleParameters) and x.shape[-1] == delta.features:
+            return delta.forward(layer, x, lambda: layer_forward(layer, batch, args, kwargs, exact=True))
 
     def run(name: str, inputs: torch.Tensor) -> torch.Tensor:
         if name not in holders:
@@ -249,207 +244,20 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
     return _combine(batch.groups(x.device), run, x, len(batch.names), type(layer.base_layer).__name__)
 
 
+def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
+    """What each ``(layer, batch)`` runs with in the "sparse_delta" mode, into ``batch.deltas``
+    (:func:`sparse_delta.prepare`: every layer at once, before the forward)."""
+    built = sparse_delta.prepare([(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers])
+    for (layer, batch), delta in zip(layers, built, strict=True):
+        batch.deltas[id(layer)] = delta
+
+
 def _holders(layer: nn.Module, batch: MixedBatch) -> frozenset[str]:
     """The grafts of ``batch`` with entries in ``layer`` (found once per batch)."""
     holders = batch.holders.get(id(layer))
     if holders is None:
         holders = batch.holders[id(layer)] = frozenset(n for n in batch.positions if n != BASE and _holds(layer, n))
     return holders
-
-
-def _linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
-    """``(out, in, whether the weight is stored (in, out))`` of a plain ``nn.Linear`` or GPT-2 ``Conv1D``, else None."""
-    if type(base).forward is nn.Linear.forward:
-        return base.out_features, base.in_features, False
-    if type(base).__name__ == "Conv1D" and hasattr(base, "nf") and base.weight.dim() == 2:
-        return base.nf, base.weight.shape[0], True
-    return None
-
-
-@dataclass
-class GraftDelta:
-    """One graft's change to a linear layer's weight and bias: flat indices of its entries, the base values there when
-    it was built, and the deltas (fp32: the grafted value minus the base's, in the parameter's dtype)."""
-
-    weight_at: torch.Tensor
-    weight_original: torch.Tensor
-    weight: torch.Tensor
-    bias_at: torch.Tensor
-    bias_original: torch.Tensor
-    bias: torch.Tensor
-
-
-def _graft_delta(plan, shape: tuple[int, int, bool], device: torch.device) -> GraftDelta | None:
-    """The :class:`GraftDelta` of a one-graft in-place ``plan``, or None where the exact path is cheaper or needed (a
-    graft denser than :data:`SPARSE_DELTA_MAX_WORK` for a single token, a tensor other than weight and bias)."""
-    out_features, in_features, _ = shape
-    parts = {"weight": [], "bias": []}
-    for parameters, attr, entries, scale, first in plan.writes:
-        if attr not in parts:
-            return None
-        if attr == "weight" and entries[0].numel() > SPARSE_DELTA_MAX_WORK * out_features * in_features:
-            return None
-        original = parameters[attr].data.take(entries[0])
-        delta = graft_entries(original, entries, first, scale).float() - original.float()
-        parts[attr].append((entries[0].to(torch.int64), original, delta))
-    parameters = plan.writes[0][0] if plan.writes else {}
-    joined = [_joined(parts[attr], parameters.get(attr)) for attr in ("weight", "bias")]
-    return GraftDelta(*(t.to(device) for part in joined for t in part))
-
-
-def _joined(parts: list[tuple[torch.Tensor, ...]], like: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``(indices, originals, deltas)`` of several writes as one triple (empty where there are none; the originals of
-    ``like``'s dtype, so that joining them keeps it)."""
-    if not parts:
-        dtype = like.dtype if like is not None else torch.float32
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype), torch.empty(0)
-    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
-
-
-def _joined_deltas(deltas: list[GraftDelta]) -> dict[str, Any]:
-    """The grafts' deltas joined graft after graft, with each graft's number of weight and bias entries (ints)."""
-    joined: dict[str, Any] = {
-        key: torch.cat([getattr(d, key) for d in deltas]) for key in GraftDelta.__dataclass_fields__
-    }
-    joined["weight_counts"] = [d.weight_at.numel() for d in deltas]
-    joined["bias_counts"] = [d.bias_at.numel() for d in deltas]
-    return joined
-
-
-def _changed(base: nn.Module, joined: dict[str, Any]) -> torch.Tensor | None:
-    """Whether a base value under an entry is no longer the one its delta was taken against (a delta moves with the
-    base value under it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
-    counter, so the values are compared, one gather per tensor and batch). A boolean tensor on the layer's device,
-    read back with every other layer's at once (:func:`_read_flags`); None where there is nothing to compare."""
-    parameters = base._parameters
-    checks = [
-        (parameters[attr].data.take(joined[f"{attr}_at"]) != joined[f"{attr}_original"]).any()
-        for attr in ("weight", "bias")
-        if joined[f"{attr}_at"].numel()
-    ]
-    return torch.stack(checks).any() if checks else None
-
-
-def _read_flags(flags: list[torch.Tensor | None]) -> list[bool]:
-    """``flags`` as bools, read back with one transfer per device (on a GPU each read waits for its queue)."""
-    values = [False] * len(flags)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, flag in enumerate(flags):
-        if flag is not None:
-            by_device.setdefault(flag.device, []).append(i)
-    for positions in by_device.values():
-        for i, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist(), strict=True):
-            values[i] = value
-    return values
-
-
-def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-built index on ``device``: on CUDA through pinned memory without waiting (a plain copy from pageable
-    memory would wait for the GPU's queue)."""
-    if device.type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
-
-
-def _batch_delta(joined: dict[str, Any], names: list[str], batch: MixedBatch, shape) -> LayerDelta:
-    """The :class:`LayerDelta` of ``batch`` from the joined deltas of the grafts ``names``: every example with its
-    graft's entries (examples in order, entries inner), gathered by one index per tensor for the whole batch, whatever
-    the number of grafts. The index is computed on the host from the entry counts and sent in one copy, so nothing
-    here waits for the device."""
-    out_features, in_features, transposed = shape
-    number = {name: i for i, name in enumerate(names)}
-    graft = torch.tensor([number.get(name, -1) for name in batch.names])
-    held = graft.clamp(min=0)
-    parts = []
-    for attr in ("weight", "bias"):
-        counts = torch.tensor(joined[f"{attr}_counts"], dtype=torch.int64)
-        lengths = torch.where(graft >= 0, counts[held], 0)
-        shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
-        pairs = int(lengths.sum())
-        parts += [torch.arange(len(batch.names)).repeat_interleave(lengths, output_size=pairs)]
-        parts += [torch.arange(pairs) + shift.repeat_interleave(lengths, output_size=pairs)]
-    sizes = [part.numel() for part in parts]
-    weight_examples, weight_entry, bias_examples, bias_entry = _to_device(
-        torch.cat(parts), joined["weight"].device
-    ).split(sizes)
-    at, weight = joined["weight_at"][weight_entry], joined["weight"][weight_entry]
-    if transposed:  # Conv1D stores (in, out)
-        rows, columns = at % out_features, at // out_features
-    else:
-        rows, columns = at // in_features, at % in_features
-    bias_rows, bias = joined["bias_at"][bias_entry], joined["bias"][bias_entry]
-    density = max(joined["weight_counts"]) / (out_features * in_features)
-    indices = torch.cat([weight_examples, bias_examples]), torch.cat([rows, bias_rows])
-    return LayerDelta(weight_examples, columns, weight, bias, indices, density)
-
-
-@dataclass
-class LayerDelta:
-    """Every group's sparse delta on one linear layer, flattened over (example, entry) pairs: the weight part adds
-    ``x[example, ..., column] * weight`` to ``out[example, ..., row]``, the bias part adds ``bias`` to
-    ``out[example, ..., bias_row]``; ``indices`` are the (example, row) of both parts, weight then bias."""
-
-    examples: torch.Tensor
-    columns: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor
-    indices: tuple[torch.Tensor, torch.Tensor]
-    density: float = 0.0  # the largest share of the weight's entries one graft holds
-
-    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one accumulating
-        ``index_put_`` into ``out`` for the whole batch, whatever the number of groups (a loop over the groups would
-        launch a few kernels per group and layer, most of a decoding step's time)."""
-        batch_size = x.shape[0]
-        x3 = x.reshape(batch_size, -1, x.shape[-1])
-        out = out.contiguous()
-        out_t = out.view(batch_size, -1, out.shape[-1]).transpose(1, 2)  # (example, feature, token), a view
-        values = x3[self.examples, :, self.columns].float() * self.weight[:, None]
-        if self.bias.numel():
-            values = torch.cat([values, self.bias[:, None].expand(-1, x3.shape[1])])
-        out_t.index_put_(self.indices, values.to(out.dtype), accumulate=True)
-        return out
-
-
-def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
-    """Each ``(layer, batch)``'s :class:`LayerDelta` into ``batch.deltas`` (None to take the exact path: not a plain
-    linear layer, or a graft too dense there or changing another of its tensors), built before the forward so that
-    the base values of every layer are compared with one read per device (on a GPU a read per layer would make the
-    host wait for the queue at every layer). Each graft's :class:`GraftDelta` is built once and kept with its in-place
-    plan (so for as long as the plan is current, and freed with it); building one takes a few kernels, which for many
-    grafts cost more than the deltas' arithmetic."""
-    found = []
-    for layer, batch in layers:
-        holders = _holders(layer, batch)
-        joined = _joined_for(layer, holders) if holders else None
-        batch.deltas[id(layer)] = None
-        if joined is not None:
-            found.append((layer, batch, holders, joined))
-    changed = _read_flags([_changed(layer.base_layer, joined) for layer, _, _, joined in found])
-    for (layer, batch, holders, joined), again in zip(found, changed, strict=True):
-        if again:  # rare: built again against the base as it is now
-            joined = _joined_for(layer, holders, rebuild=True)
-        shape = _linear_shape(layer.base_layer)
-        batch.deltas[id(layer)] = _batch_delta(joined, sorted(holders), batch, shape)
-
-
-def _joined_for(layer: nn.Module, holders: frozenset[str], rebuild: bool = False) -> dict[str, Any] | None:
-    """The joined :class:`GraftDelta` of ``holders`` on ``layer`` (``rebuild``: each built anew), or None where the
-    exact path is needed."""
-    shape = _linear_shape(layer.base_layer)
-    if shape is None or layer.base_layer.weight.device.type == "meta":
-        return None
-    names = sorted(holders)
-    plans = [layer.in_place_plan((name,)) for name in names]
-    if any(plan is None for plan in plans):
-        return None
-    device = layer.base_layer.weight.device
-    for plan in plans:
-        if rebuild or plan.sparse_delta is None or plan.sparse_delta[0] != shape:
-            plan.sparse_delta = (shape, _graft_delta(plan, shape, device))
-    if any(plan.sparse_delta[1] is None for plan in plans):
-        return None
-    return _joined_deltas([plan.sparse_delta[1] for plan in plans])
 
 
 def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):

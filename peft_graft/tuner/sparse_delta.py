@@ -1,0 +1,300 @@
+"""The ``"sparse_delta"`` mode of mixed-graft batches (``model.set_mixed_batch_mode("sparse_delta")``): a graft layer
+runs its base layer once for the whole batch instead of once per group of examples (mixed_batch.py), in two ways.
+
+- A ``Linear`` (or GPT-2 ``Conv1D``) layer whose grafts are sparse there for the call (:data:`SPARSE_DELTA_MAX_WORK`:
+  decoding steps qualify where a prefill may not) adds each group's sparse delta to its rows' outputs,
+  ``y[:, r] += x[:, c] * d`` per entry (and ``d`` at a bias entry) (:class:`LayerDelta`). Its output differs from the
+  exact one by floating-point rounding only: at most ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per
+  output (``n`` the layer's input size, ``u`` the unit roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``,
+  ``w`` and ``w'`` the row of the base and of the grafted weight), the bound ``tests/test_mixed_batch.py`` checks.
+- A layer whose grafted tensors are vectors over its input's last dimension (an RMSNorm's weight) gets one copy of
+  them per example, its graft's values written in, as a ``(batch, 1, ..., features)`` tensor through
+  ``functional_call`` (:class:`ExampleParameters`). Where the layer applies them element-wise, each example's output
+  is bit for bit that of the exact path. This is checked on the layer's first call against the exact path; a layer
+  that fails the check (``nn.LayerNorm``, whose fused kernel takes no per-example weight) keeps the exact path.
+
+Other layers keep the exact per-group path. Each graft's values on a layer are built once and kept with its one-graft
+in-place plan (so for as long as the plan is current, and freed with it); a batch's are joined and indexed before the
+forward (:func:`prepare`), with the base values under the entries compared for every layer at once: on a GPU, each
+read of a result makes the host wait for the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .entries import graft_entries
+
+SPARSE_DELTA_MAX_WORK = 0.02
+"""A linear layer's call takes the delta path only where (the largest share of its weight's entries a graft holds) x
+(tokens per example) is at most this: the deltas cost one gather and scatter per entry and token, the exact path one
+base call per group. Set from RoBERTa-base batches of 32 x 128 with 8 grafts, where the delta path was faster at 0.01%
+(1.28e-2 here) and slower at 0.1% (1.28e-1); BENCHMARKS.md, "Re-taken side by side (issue 38, second run)"."""
+
+Values = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""One graft's values on a layer, per base tensor name: (flat indices, base values there when built, values: the
+fp32 delta for a linear layer, the grafted values in the tensor's dtype for a vector layer)."""
+
+
+def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built index on ``device``: on CUDA through pinned memory without waiting (a plain copy from pageable
+    memory would wait for the GPU's queue)."""
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
+    """``(out, in, whether the weight is stored (in, out))`` of a plain ``nn.Linear`` or GPT-2 ``Conv1D``, else None."""
+    if type(base).forward is nn.Linear.forward:
+        return base.out_features, base.in_features, False
+    if type(base).__name__ == "Conv1D" and hasattr(base, "nf") and base.weight.dim() == 2:
+        return base.nf, base.weight.shape[0], True
+    return None
+
+
+def _kind(base: nn.Module) -> tuple | None:
+    """What the mode can do with ``base``: ``("linear", shape)``, ``("vector", features)`` (every parameter a vector
+    of one length), or None."""
+    shape = linear_shape(base)
+    if shape is not None:
+        return ("linear", shape)
+    sizes = {p.shape for p in base._parameters.values() if p is not None}
+    if len(sizes) == 1 and len(next(iter(sizes))) == 1 and not base._modules:
+        return ("vector", next(iter(sizes))[0])
+    return None
+
+
+def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
+    """One graft's :data:`Values` on a layer from its one-graft in-place ``plan``, or None where the exact path is
+    needed: a tensor not the base layer's own weight or bias (tied), or, on a linear layer, a graft denser than
+    :data:`SPARSE_DELTA_MAX_WORK` for a single token."""
+    values: Values = {}
+    for parameters, attr, entries, scale, first in plan.writes:
+        tensor = parameters[attr]
+        if attr in values or (kind[0] == "linear" and attr not in ("weight", "bias")):
+            return None
+        if kind[0] == "vector" and tuple(tensor.shape) != (kind[1],):
+            return None
+        if kind[0] == "linear" and attr == "weight":
+            out_features, in_features, _ = kind[1]
+            if entries[0].numel() > SPARSE_DELTA_MAX_WORK * out_features * in_features:
+                return None
+        original = tensor.data.take(entries[0])
+        grafted = graft_entries(original, entries, first, scale)
+        value = grafted.float() - original.float() if kind[0] == "linear" else grafted
+        values[attr] = tuple(t.to(device) for t in (entries[0].to(torch.int64), original, value))
+    return values
+
+
+def _joined(layer: nn.Module, grafts: list[Values]) -> dict[str, Any]:
+    """Per base tensor that a graft changes: the grafts' (indices, base values, values) joined graft after graft, and
+    each graft's number of entries (ints)."""
+    joined = {}
+    for attr in dict.fromkeys(attr for graft in grafts for attr in graft):
+        present = next(graft[attr] for graft in grafts if attr in graft)
+        empty = tuple(t.new_empty(0) for t in present)
+        parts = [graft.get(attr, empty) for graft in grafts]
+        joined[attr] = (*(torch.cat(column) for column in zip(*parts, strict=True)), [p[0].numel() for p in parts])
+    return joined
+
+
+def _changed(layer: nn.Module, joined: dict[str, Any]) -> torch.Tensor | None:
+    """Whether a base value under an entry is no longer the one the values were taken against (they move with it: by
+    rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version counter, so the values
+    are compared, one gather per tensor and batch). A boolean tensor on the layer's device, read back with every other
+    layer's at once (:func:`_read_flags`); None where there is nothing to compare."""
+    parameters = layer.base_layer._parameters
+    flags = [(parameters[attr].data.take(at) != original).any() for attr, (at, original, *_) in joined.items()]
+    return torch.stack(flags).any() if flags else None
+
+
+def _read_flags(flags: list[torch.Tensor | None]) -> list[bool]:
+    """``flags`` as bools, read back with one transfer per device (on a GPU each read waits for its queue)."""
+    values = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        if flag is not None:
+            by_device.setdefault(flag.device, []).append(i)
+    for positions in by_device.values():
+        for i, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist(), strict=True):
+            values[i] = value
+    return values
+
+
+def _pairs(counts: list[int], graft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (example, entry) pairs of a batch, on the host: each example with every entry of its graft (``graft``: per
+    example, the position of its graft in the joined order, -1 for none), entries numbered in the joined order."""
+    counts = torch.tensor(counts, dtype=torch.int64)
+    held = graft.clamp(min=0)
+    lengths = torch.where(graft >= 0, counts[held], 0)
+    shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
+    pairs = int(lengths.sum())
+    examples = torch.arange(graft.numel()).repeat_interleave(lengths, output_size=pairs)
+    return examples, torch.arange(pairs) + shift.repeat_interleave(lengths, output_size=pairs)
+
+
+def _gathered(joined: dict[str, Any], graft: torch.Tensor, device: torch.device, memo: dict) -> dict[str, tuple]:
+    """Per base tensor, the batch's ``(examples, flat indices, values)`` over its (example, entry) pairs, gathered
+    by one index per tensor whatever the number of grafts. The index is built on the host and sent in one copy, once
+    per batch for all layers with the same entry counts (``memo``)."""
+    counts = tuple(tuple(counts) for *_, counts in joined.values())
+    key = (tuple(graft.tolist()), counts, device)
+    if key not in memo:
+        parts = [index for layer_counts in counts for index in _pairs(list(layer_counts), graft)]
+        memo[key] = to_device(torch.cat(parts), device).split([part.numel() for part in parts])
+    pieces = memo[key]
+    out = {}
+    for number, (attr, (at, _, value, _)) in enumerate(joined.items()):
+        examples, entry = pieces[2 * number], pieces[2 * number + 1]
+        out[attr] = examples, at[entry], value[entry]
+    return out
+
+
+@dataclass
+class LayerDelta:
+    """Every group's sparse delta on one linear layer, flattened over (example, entry) pairs: the weight part adds
+    ``x[example, ..., column] * weight`` to ``out[example, ..., row]``, the bias part adds ``bias`` to
+    ``out[example, ..., bias_row]``; ``indices`` are the (example, row) of both parts, weight then bias."""
+
+    examples: torch.Tensor
+    columns: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    indices: tuple[torch.Tensor, torch.Tensor]
+    density: float = 0.0  # the largest share of the weight's entries one graft holds
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one accumulating
+        ``index_put_`` into ``out`` for the whole batch, whatever the number of groups (a loop over the groups would
+        launch a few kernels per group and layer, most of a decoding step's time)."""
+        batch_size = x.shape[0]
+        x3 = x.reshape(batch_size, -1, x.shape[-1])
+        out = out.contiguous()
+        out_t = out.view(batch_size, -1, out.shape[-1]).transpose(1, 2)  # (example, feature, token), a view
+        values = x3[self.examples, :, self.columns].float() * self.weight[:, None]
+        if self.bias.numel():
+            values = torch.cat([values, self.bias[:, None].expand(-1, x3.shape[1])])
+        out_t.index_put_(self.indices, values.to(out.dtype), accumulate=True)
+        return out
+
+
+def _layer_delta(joined: dict[str, Any], graft: torch.Tensor, shape: tuple[int, int, bool], memo: dict) -> LayerDelta:
+    out_features, in_features, transposed = shape
+    device = joined["weight"][0].device if "weight" in joined else joined["bias"][0].device
+    gathered = _gathered(joined, graft, device, memo)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    examples, at, weight = gathered.get("weight", (empty, empty, empty.float()))
+    if transposed:  # Conv1D stores (in, out)
+        rows, columns = at % out_features, at // out_features
+    else:
+        rows, columns = at // in_features, at % in_features
+    bias_examples, bias_rows, bias = gathered.get("bias", (empty, empty, empty.float()))
+    density = max(joined["weight"][3]) / (out_features * in_features) if "weight" in joined else 0.0
+    indices = torch.cat([examples, bias_examples]), torch.cat([rows, bias_rows])
+    return LayerDelta(examples, columns, weight, bias, indices, density)
+
+
+EXACT_WITH_EXAMPLE_PARAMETERS = "_example_parameters_exact"
+"""The attribute of a graft layer recording whether :class:`ExampleParameters` gave its exact outputs (None: not
+checked yet)."""
+
+
+@dataclass
+class ExampleParameters:
+    """A vector layer's tensors per example, ``(batch, features)`` each, the example's graft's values written in."""
+
+    tensors: dict[str, torch.Tensor]
+    features: int
+
+    def forward(self, layer: nn.Module, x: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The base layer's output with each example's tensors, where that gave the exact path's outputs on the
+        layer's first call (``exact()``, compared bit for bit then); else ``exact()``."""
+        verdict = layer.__dict__.get(EXACT_WITH_EXAMPLE_PARAMETERS)
+        if verdict is False:
+            return exact()
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.features,)
+        overrides = {attr: tensor.view(shape) for attr, tensor in self.tensors.items()}
+        try:
+            out = torch.func.functional_call(layer.base_layer, overrides, (x,), tie_weights=False, strict=False)
+        except RuntimeError:  # e.g. nn.LayerNorm: its kernel takes a weight of the normalized shape only
+            if verdict:
+                raise
+            out = None
+        if verdict is None:
+            expected = exact()
+            verdict = torch.is_tensor(out) and out.shape == expected.shape and torch.equal(out, expected)
+            layer.__dict__[EXACT_WITH_EXAMPLE_PARAMETERS] = verdict
+            return expected
+        return out
+
+
+def _example_parameters(layer: nn.Module, joined: dict[str, Any], graft: torch.Tensor, features: int, memo: dict):
+    parameters = layer.base_layer._parameters
+    device = next(iter(joined.values()))[0].device
+    tensors = {}
+    for attr, (examples, at, value) in _gathered(joined, graft, device, memo).items():
+        tensor = parameters[attr].data.expand(graft.numel(), features).clone()
+        tensors[attr] = tensor.index_put_((examples, at), value)
+    return ExampleParameters(tensors, features)
+
+
+def prepare(layers: list[tuple[nn.Module, list[str], list[str]]]) -> list[LayerDelta | ExampleParameters | None]:
+    """For each ``(layer, its grafts in the batch, the batch's graft per example)``, what the mode runs it with (None:
+    the exact path), built before the forward, so that the base values of every layer are compared with one read per
+    device."""
+    found, results = [], [None] * len(layers)
+    for number, (layer, holders, names) in enumerate(layers):
+        kind = _kind(layer.base_layer)
+        if kind is not None and kind[0] == "vector" and layer.__dict__.get(EXACT_WITH_EXAMPLE_PARAMETERS) is False:
+            kind = None  # checked: not exact with per-example tensors
+        joined = _joined_for(layer, holders, kind) if holders and kind is not None else None
+        if joined is not None:
+            found.append((number, layer, holders, names, kind, joined))
+    changed = _read_flags([_changed(layer, joined) for _, layer, _, _, _, joined in found])
+    memo = {}  # the batch's (example, entry) index per set of grafts and entry counts, on its device
+    for (number, layer, holders, names, kind, joined), again in zip(found, changed, strict=True):
+        if again:  # rare: built again against the base as it is now
+            joined = _joined_for(layer, holders, kind, rebuild=True)
+        position = {name: i for i, name in enumerate(holders)}
+        graft = torch.tensor([position.get(name, -1) for name in names], dtype=torch.int64)
+        if kind[0] == "linear":
+            results[number] = _layer_delta(joined, graft, kind[1], memo)
+        else:
+            results[number] = _example_parameters(layer, joined, graft, kind[1], memo)
+    return results
+
+
+def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool = False) -> dict[str, Any] | None:
+    """The joined :data:`Values` of ``holders`` on ``layer`` (``rebuild``: each built anew), or None where the exact
+    path is needed. Each graft's are kept with its in-place plan (``plan.sparse_delta``)."""
+    parameters = [p for p in layer.base_layer._parameters.values() if p is not None]
+    if not parameters or parameters[0].device.type == "meta":
+        return None
+    plans = [layer.in_place_plan((name,)) for name in holders]
+    if any(plan is None for plan in plans):
+        return None
+    for plan in plans:
+        if rebuild or plan.sparse_delta is None or plan.sparse_delta[0] != kind:
+            values = graft_values(plan, kind, parameters[0].device)
+            own = all(parameters_ is layer.base_layer._parameters for parameters_, *_ in plan.writes)
+            plan.sparse_delta = (kind, values if own else None)
+    values = [plan.sparse_delta[1] for plan in plans]
+    if any(value is None for value in values):
+        return None
+    cached = layer.__dict__.get(_JOINED, ((), None))  # the last batch's, while its grafts' values are the same objects
+    if len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values, strict=True)):
+        return cached[1]
+    joined = _joined(layer, values)
+    layer.__dict__[_JOINED] = (values, joined)
+    return joined
+
+
+_JOINED = "_sparse_delta_joined"
+"""The attribute of a graft layer holding the last batch's joined values, with the values they were joined from: one
+set per layer, reused while a batch brings the same grafts (a join is a copy of every graft's values there)."""
