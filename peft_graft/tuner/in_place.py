@@ -55,9 +55,10 @@ class InPlacePlan:
     scales: list[tuple[dict, str, float]] = field(default_factory=list)  # (layer.scaling, adapter, scale)
     learning: list[tuple[dict, str]] = field(default_factory=list)  # (graft_learning's modules, adapter)
     slots: list[tuple[dict, str, Any]] = field(default_factory=list)  # (layer.packed, adapter, its store or None)
-    # The sparse delta of a mixed batch's "sparse_delta" mode built from this one-adapter plan (mixed_batch.py), kept
-    # with it: (the base layer's shape, the GraftDelta or None where the exact path is needed); None: not built.
-    sparse_delta: tuple[tuple[int, int, bool], Any] | None = None
+    # The values of a mixed batch's "sparse_delta" mode built from this one-adapter plan (sparse_delta.py), kept with
+    # it: (what the mode does with the layer, the graft's values there or None where the exact path is needed);
+    # None: not built.
+    sparse_delta: tuple[tuple, Any] | None = None
 
     def watch(self, owner: dict, key: str) -> None:
         """Record the entry tensor ``owner[key]`` (possibly absent) as an input of the plan."""

@@ -72,8 +72,8 @@ def _kind(base: nn.Module) -> tuple | None:
 
 def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
     """One graft's :data:`Values` on a layer from its one-graft in-place ``plan``, or None where the exact path is
-    needed: a tensor not the base layer's own weight or bias (tied), or, on a linear layer, a graft denser than
-    :data:`SPARSE_DELTA_MAX_WORK` for a single token."""
+    needed: on a linear layer a tensor other than its weight and bias, or a graft denser than
+    :data:`SPARSE_DELTA_MAX_WORK` for a single token; on a vector layer a tensor of another shape."""
     values: Values = {}
     for parameters, attr, entries, scale, first in plan.writes:
         tensor = parameters[attr]
@@ -92,7 +92,7 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
     return values
 
 
-def _joined(layer: nn.Module, grafts: list[Values]) -> dict[str, Any]:
+def _joined(grafts: list[Values]) -> dict[str, Any]:
     """Per base tensor that a graft changes: the grafts' (indices, base values, values) joined graft after graft, and
     each graft's number of entries (ints)."""
     joined = {}
@@ -290,7 +290,7 @@ def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool
     cached = layer.__dict__.get(_JOINED, ((), None))  # the last batch's, while its grafts' values are the same objects
     if len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values, strict=True)):
         return cached[1]
-    joined = _joined(layer, values)
+    joined = _joined(values)
     layer.__dict__[_JOINED] = (values, joined)
     return joined
 
