@@ -575,10 +575,10 @@ def _layer_outputs(model, names, inputs, mode: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "bert_cls"])
 def test_sparse_delta_mode_runs_vector_layers_once_per_batch_where_that_is_exact(arch, monkeypatch):
     """In the "sparse_delta" mode, a layer whose grafted tensors are vectors runs once for the whole batch with a copy
-        per example, its graft's values written in, where that gave the exact path's outputs on its first call: Llama's
-        RMSNorms (their output bit for bit the exact mode's, in later batches too); not BERT's LayerNorms (whose kernel
-        takes no per-example weight: the exact path, bit for bit). The linear layers take the exact path here, so that every
-    layer sees the exact mode's inputs."""
+    per example, its graft's values written in, where that gave the exact path's outputs on its first call: Llama's
+    RMSNorms (their output bit for bit the exact mode's, in later batches too); not BERT's LayerNorms (whose kernel
+    takes no per-example weight: the exact path, bit for bit). The linear layers take the exact path here, so that
+    every layer sees the exact mode's inputs."""
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0)  # linear layers exact: the same inputs everywhere
