@@ -219,15 +219,16 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
     holders = _holders(layer, batch)
     if not holders:
         return layer.base_layer(*args, **kwargs)
-    if batch.sparse_delta and not exact and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1:
+    one_call = not exact and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1
+    if batch.sparse_delta and one_call and x.shape[0] == len(batch.names):
         if id(layer) not in batch.deltas:  # built before the forward (prepare_sparse_deltas), unless added since
             prepare_sparse_deltas([(layer, batch)])
         delta = batch.deltas[id(layer)]
-        if x.shape[0] == len(batch.names) and isinstance(delta, LayerDelta):
+        if isinstance(delta, LayerDelta):
             tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
             if delta.density * tokens <= sparse_delta.SPARSE_DELTA_MAX_WORK:
                 return delta.add_to(layer.base_layer(x), x)
-        if x.shape[0] == len(batch.names) and isinstance(delta, ExampleParameters) and x.shape[-1] == delta.features:
+        if isinstance(delta, ExampleParameters) and x.shape[-1] == delta.features:
             return delta.forward(layer, x, lambda: layer_forward(layer, batch, args, kwargs, exact=True))
 
     def run(name: str, inputs: torch.Tensor) -> torch.Tensor:

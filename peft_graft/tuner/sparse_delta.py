@@ -139,14 +139,16 @@ def _pairs(counts: list[int], graft: torch.Tensor) -> tuple[torch.Tensor, torch.
     return examples, torch.arange(pairs) + shift.repeat_interleave(lengths, output_size=pairs)
 
 
-def _gathered(joined: dict[str, Any], graft: torch.Tensor, device: torch.device, memo: dict) -> dict[str, tuple]:
+def _gathered(joined: dict[str, Any], graft: tuple[int, ...], device: torch.device, memo: dict) -> dict[str, tuple]:
     """Per base tensor, the batch's ``(examples, flat indices, values)`` over its (example, entry) pairs, gathered
-    by one index per tensor whatever the number of grafts. The index is built on the host and sent in one copy, once
-    per batch for all layers with the same entry counts (``memo``)."""
+    by one index per tensor whatever the number of grafts (``graft``: per example, the position of its graft in the
+    joined order, -1 for none). The index is built on the host and sent in one copy, once per batch for all layers
+    with the same grafts and entry counts (``memo``)."""
     counts = tuple(tuple(counts) for *_, counts in joined.values())
-    key = (tuple(graft.tolist()), counts, device)
+    key = (graft, counts, device)
     if key not in memo:
-        parts = [index for layer_counts in counts for index in _pairs(list(layer_counts), graft)]
+        numbers = torch.tensor(graft, dtype=torch.int64)
+        parts = [index for layer_counts in counts for index in _pairs(list(layer_counts), numbers)]
         memo[key] = to_device(torch.cat(parts), device).split([part.numel() for part in parts])
     pieces = memo[key]
     out = {}
@@ -184,7 +186,7 @@ class LayerDelta:
         return out
 
 
-def _layer_delta(joined: dict[str, Any], graft: torch.Tensor, shape: tuple[int, int, bool], memo: dict) -> LayerDelta:
+def _layer_delta(joined: dict[str, Any], graft: tuple[int, ...], shape: tuple, memo: dict) -> LayerDelta:
     out_features, in_features, transposed = shape
     device = joined["weight"][0].device if "weight" in joined else joined["bias"][0].device
     gathered = _gathered(joined, graft, device, memo)
@@ -234,12 +236,12 @@ class ExampleParameters:
         return out
 
 
-def _example_parameters(layer: nn.Module, joined: dict[str, Any], graft: torch.Tensor, features: int, memo: dict):
+def _example_parameters(layer: nn.Module, joined: dict[str, Any], graft: tuple[int, ...], features: int, memo: dict):
     parameters = layer.base_layer._parameters
     device = next(iter(joined.values()))[0].device
     tensors = {}
     for attr, (examples, at, value) in _gathered(joined, graft, device, memo).items():
-        tensor = parameters[attr].data.expand(graft.numel(), features).clone()
+        tensor = parameters[attr].data.expand(len(graft), features).clone()
         tensors[attr] = tensor.index_put_((examples, at), value)
     return ExampleParameters(tensors, features)
 
@@ -262,7 +264,7 @@ def prepare(layers: list[tuple[nn.Module, list[str], list[str]]]) -> list[LayerD
         if again:  # rare: built again against the base as it is now
             joined = _joined_for(layer, holders, kind, rebuild=True)
         position = {name: i for i, name in enumerate(holders)}
-        graft = torch.tensor([position.get(name, -1) for name in names], dtype=torch.int64)
+        graft = tuple(position.get(name, -1) for name in names)
         if kind[0] == "linear":
             results[number] = _layer_delta(joined, graft, kind[1], memo)
         else:
