@@ -365,11 +365,28 @@ def _rounding_bound(x: torch.Tensor, base: torch.Tensor, grafted: torch.Tensor, 
     return 2 * gamma * (x.double().abs() @ weights) + u * y.double().abs()
 
 
+def _assert_layer_norm_within_bound(layer, x: torch.Tensor, output: torch.Tensor, overrides: dict, expected):
+    """A "sparse_delta" LayerNorm output against the exact one: bit for bit at the features whose weight and bias the
+    graft leaves; elsewhere within ``4 u ((|x| + |mean|) rstd |weight| + |bias|) + u |y|`` (LayerNormColumns)."""
+    base = layer.base_layer
+    weight, bias = overrides.get("weight", base.weight), overrides.get("bias", base.bias)
+    changed = (weight != base.weight) | (bias != base.bias)
+    assert torch.equal(output[..., ~changed], expected[..., ~changed])
+    x = x.double()
+    mean = x.mean(-1, keepdim=True)
+    rstd = (x.var(-1, unbiased=False, keepdim=True) + base.eps).rsqrt()
+    u = torch.finfo(torch.float32).eps / 2
+    bound = 4 * u * ((x.abs() + mean.abs()) * rstd * weight.double().abs() + bias.double().abs())
+    bound = bound + u * expected.double().abs()
+    assert ((output.double() - expected.double()).abs() <= bound).all()
+
+
 def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
     """With ``set_mixed_batch_mode("sparse_delta")`` each linear graft layer runs once per batch plus each group's
     sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ from the exact
-    per-group path by no more than the documented rounding bound; the other layers stay bit-exact; the logits stay
-    within RTOL of the exact mode's; the base is left untouched."""
+    per-group path by no more than the documented rounding bound; LayerNorms, run once too, only at the features a
+    graft changes, within theirs; the other layers stay bit-exact; the logits stay within RTOL of the exact mode's;
+    the base is left untouched."""
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
@@ -420,13 +437,16 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
                 else:
                     model.set_adapter(graft)
                     expected = layer(x[rows].clone())
+            with torch.no_grad():
+                overrides = {} if graft == "__base__" else layer.effective_parameters([graft])
+            if isinstance(layer.base_layer, nn.LayerNorm):
+                _assert_layer_norm_within_bound(layer, x[rows], output[rows], overrides, expected)
+                continue
             if name not in linear:
                 assert torch.equal(output[rows], expected), (graft, name)
                 continue
             shape = sparse_delta.linear_shape(layer.base_layer)
             base = layer.base_layer.weight
-            with torch.no_grad():
-                overrides = {} if graft == "__base__" else layer.effective_parameters([graft])
             grafted = overrides.get("weight", base)
             bound = _rounding_bound(x[rows], base, grafted, expected, shape[2])
             if layer.base_layer.bias is not None:
@@ -436,6 +456,54 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
                 )
             assert ((output[rows].double() - expected.double()).abs() <= bound).all(), (graft, name)
     model.set_adapter("sst")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
+    """``LayerDelta`` lays a batch's (example, entry) pairs out one row per example, padded to the example with the
+    most: grafts of 4 (two on one output row) and 1 weight entries, one holding a bias entry, and an example without a
+    graft. Each example's output gets exactly its graft's products (float64 reference), every other output is left
+    bit for bit, and an infinite input under a padded slot changes nothing (``x * 0`` would be NaN)."""
+    from peft_graft.tuner import sparse_delta
+
+    out_features, in_features, tokens = 5, 6, 3
+    shape = (out_features, in_features, transposed)
+    entries = {  # per graft: (row, column, delta) of its weight entries
+        0: [(0, 1, 0.5), (0, 4, -2.0), (3, 2, 1.5), (4, 5, 0.25)],
+        1: [(2, 3, 3.0)],
+    }
+
+    def flat(row, column):
+        return column * out_features + row if transposed else row * in_features + column
+
+    at = [torch.tensor([flat(r, c) for r, c, _ in entries[g]]) for g in (0, 1)]
+    weight = [torch.tensor([d for *_, d in entries[g]]) for g in (0, 1)]
+    joined = {
+        "weight": (torch.cat(at), torch.zeros(5), torch.cat(weight), [4, 1]),
+        "bias": (torch.tensor([2]), torch.zeros(1), torch.tensor([-1.0]), [0, 1]),
+    }
+    graft = (1, 0, -1, 1)  # example 2 has no graft: a row of padding only
+    delta = sparse_delta._layer_delta(joined, graft, shape, memo={})
+    assert delta.padding is not None and delta.weight.shape == (4, 4)
+    x = torch.randn(4, tokens, in_features)
+    x[0, :, 0] = float("inf")  # example 0 (graft 1) pads 3 slots, which point at column 0
+    out = torch.randn(4, tokens, out_features)
+    fast = delta.add_to(out.clone(), x)
+    expected = out.double().clone()
+    for example, g in enumerate(graft):
+        if g < 0:
+            continue
+        for row, column, d in entries[g]:
+            expected[example, :, row] += x[example, :, column].double() * d
+        if g == 1:
+            expected[example, :, 2] += -1.0
+    touched = torch.zeros_like(out, dtype=torch.bool)
+    for example, g in enumerate(graft):
+        for row in {r for r, *_ in entries.get(g, [])} | ({2} if g == 1 else set()):
+            touched[example, :, row] = True
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast[~touched], out[~touched])
+    assert torch.allclose(fast[touched].double(), expected[touched], rtol=1e-6, atol=1e-6)
 
 
 def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
@@ -572,13 +640,12 @@ def _layer_outputs(model, names, inputs, mode: str) -> dict[str, torch.Tensor]:
     return outputs
 
 
-@pytest.mark.parametrize("arch", ["llama", "bert_cls"])
-def test_sparse_delta_mode_runs_vector_layers_once_per_batch_where_that_is_exact(arch, monkeypatch):
+def test_sparse_delta_mode_runs_vector_layers_once_per_batch_where_that_is_exact(monkeypatch):
     """In the "sparse_delta" mode, a layer whose grafted tensors are vectors runs once for the whole batch with a copy
     per example, its graft's values written in, where that gave the exact path's outputs on its first call: Llama's
-    RMSNorms (their output bit for bit the exact mode's, in later batches too); not BERT's LayerNorms (whose kernel
-    takes no per-example weight: the exact path, bit for bit). The linear layers take the exact path here, so that
-    every layer sees the exact mode's inputs."""
+    RMSNorms (their output bit for bit the exact mode's, in later batches too). The linear layers take the exact path
+    here, so that every layer sees the exact mode's inputs."""
+    arch = "llama"
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0)  # linear layers exact: the same inputs everywhere
@@ -604,9 +671,74 @@ def test_sparse_delta_mode_runs_vector_layers_once_per_batch_where_that_is_exact
         for name in vectors:
             assert torch.equal(fast[name], exact[name]), name
     verdicts = {layer.__dict__.get(sparse_delta.EXACT_WITH_EXAMPLE_PARAMETERS) for layer in vectors.values()}
-    assert verdicts == ({True} if arch == "llama" else {False})
+    assert verdicts == {True}
     assert {id(layer) for layer in calls} == {id(layer) for layer in vectors.values()}
     assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("arch", ["bert_cls", "gpt2"])
+def test_sparse_delta_mode_runs_layer_norms_once_per_batch(arch, monkeypatch):
+    """In the "sparse_delta" mode an ``nn.LayerNorm`` runs once for the whole batch and recomputes only the features
+    where an example's graft changes its weight or bias: every LayerNorm takes that path, its outputs are the exact
+    mode's bit for bit at the other features and within the documented bound at those (linear layers exact here, so
+    that each LayerNorm sees the exact mode's inputs)."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0)
+    calls = []
+    original = sparse_delta.LayerNormColumns.forward
+    monkeypatch.setattr(
+        sparse_delta.LayerNormColumns, "forward", lambda self, norm, *a: calls.append(norm) or original(self, norm, *a)
+    )
+    _, model = grafts(arch)
+    inputs, before = batch(), state(model)
+    layers = model.base_model.graft_layers()
+    norms = {name: layer for name, layer in layers.items() if isinstance(layer.base_layer, nn.LayerNorm)}
+    assert norms
+    seen = {}  # each LayerNorm's input
+
+    def record(name):
+        def hook(_, args, output):
+            seen.setdefault(name, args[0].detach().clone())
+
+        return hook
+
+    handles = [layer.register_forward_hook(record(name)) for name, layer in norms.items()]
+    fast = _layer_outputs(model, NAMES, inputs, "sparse_delta")
+    for handle in handles:
+        handle.remove()
+    assert {id(layer) for layer in calls} == {id(layer) for layer in norms.values()}
+    for graft in dict.fromkeys(NAMES):
+        rows = [i for i, n in enumerate(NAMES) if n == graft]
+        for name, layer in norms.items():
+            x = seen[name][rows]
+            with torch.no_grad():
+                if graft == "__base__":
+                    with model.disable_adapter():
+                        expected = layer(x.clone())
+                    overrides = {}
+                else:
+                    model.set_adapter(graft)
+                    expected = layer(x.clone())
+                    overrides = layer.effective_parameters([graft])
+            _assert_layer_norm_within_bound(layer, x, fast[name][rows], overrides, expected)
+    model.set_adapter("sst")
+    assert unchanged(model, before)
+
+
+def test_layer_norm_columns_leave_low_precision_inputs_to_the_exact_path():
+    """Below fp32 the LayerNorm kernel returns its mean and rstd rounded to the input's dtype: such inputs take the
+    exact path."""
+    from peft_graft.tuner import sparse_delta
+
+    columns = sparse_delta.LayerNormColumns(
+        torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), torch.zeros(2, 1), None, features=4
+    )
+    layer = nn.Module()
+    layer.base_layer = nn.LayerNorm(4)
+    sentinel = torch.full((2, 3, 4), 7.0)
+    assert columns.forward(layer, torch.randn(2, 3, 4, dtype=torch.bfloat16), lambda: sentinel) is sentinel
+    assert columns.forward(layer, torch.randn(2, 3, 4), lambda: sentinel) is not sentinel
 
 
 def test_sparse_delta_mode_keeps_the_exact_path_for_a_vector_layer_whose_check_fails(monkeypatch):

@@ -34,7 +34,7 @@ from torch import nn
 
 from . import sparse_delta
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
-from .sparse_delta import ExampleParameters, LayerDelta, to_device
+from .sparse_delta import ExampleParameters, LayerDelta, LayerNormColumns, to_device
 
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
 
@@ -57,7 +57,7 @@ class MixedBatch:
     positions: dict[str, list[int]] = field(default_factory=dict)
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
     # by id(layer), in the "sparse_delta" mode: what the layer runs with (None: the exact path)
-    deltas: dict[int, LayerDelta | ExampleParameters | None] = field(default_factory=dict)
+    deltas: dict[int, LayerDelta | LayerNormColumns | ExampleParameters | None] = field(default_factory=dict)
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -228,7 +228,7 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
             tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
             if delta.density * tokens <= sparse_delta.SPARSE_DELTA_MAX_WORK:
                 return delta.add_to(layer.base_layer(x), x)
-        if isinstance(delta, ExampleParameters) and x.shape[-1] == delta.features:
+        if isinstance(delta, (LayerNormColumns, ExampleParameters)) and x.shape[-1] == delta.features:
             return delta.forward(layer, x, lambda: layer_forward(layer, batch, args, kwargs, exact=True))
 
     def run(name: str, inputs: torch.Tensor) -> torch.Tensor:

@@ -59,11 +59,14 @@ def linear_shape(base: nn.Module) -> tuple[int, int, bool] | None:
 
 
 def _kind(base: nn.Module) -> tuple | None:
-    """What the mode can do with ``base``: ``("linear", shape)``, ``("vector", features)`` (every parameter a vector
-    of one length), or None."""
+    """What the mode can do with ``base``: ``("linear", shape)``, ``("layer_norm", features)`` (an ``nn.LayerNorm``
+    over the last dimension, with a weight), ``("vector", features)`` (every parameter a vector of one length), or
+    None."""
     shape = linear_shape(base)
     if shape is not None:
         return ("linear", shape)
+    if type(base).forward is nn.LayerNorm.forward and len(base.normalized_shape) == 1 and base.weight is not None:
+        return ("layer_norm", base.normalized_shape[0])
     sizes = {p.shape for p in base._parameters.values() if p is not None}
     if len(sizes) == 1 and len(next(iter(sizes))) == 1 and not base._modules:
         return ("vector", next(iter(sizes))[0])
@@ -79,7 +82,7 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
         tensor = parameters[attr]
         if attr in values or (kind[0] == "linear" and attr not in ("weight", "bias")):
             return None
-        if kind[0] == "vector" and tuple(tensor.shape) != (kind[1],):
+        if kind[0] != "linear" and tuple(tensor.shape) != (kind[1],):
             return None
         if kind[0] == "linear" and attr == "weight":
             out_features, in_features, _ = kind[1]
@@ -88,8 +91,22 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
         original = tensor.data.take(entries[0])
         grafted = graft_entries(original, entries, first, scale)
         value = grafted.float() - original.float() if kind[0] == "linear" else grafted
-        values[attr] = tuple(t.to(device) for t in (entries[0].to(torch.int64), original, value))
+        at = entries[0].to(torch.int64)
+        if kind[0] == "linear" and attr == "weight":
+            order = _along_wider_side(at, kind[1])
+            at, original, value = at[order], original[order], value[order]
+        values[attr] = tuple(t.to(device) for t in (at, original, value))
     return values
+
+
+def _along_wider_side(at: torch.Tensor, shape: tuple[int, int, bool]) -> torch.Tensor:
+    """The order of a linear weight's flat indices ``at`` by their index into the wider of the layer's input and
+    output, so that :meth:`LayerDelta.add_to` walks the wider of its two rows (``x``'s or ``out``'s) in increasing
+    order: a gather or scatter at random places in a 3,072-wide row costs twice as much on a CPU."""
+    out_features, in_features, transposed = shape
+    rows, columns = (at % out_features, at // out_features) if transposed else (at // in_features, at % in_features)
+    key = columns * out_features + rows if in_features > out_features else rows * in_features + columns
+    return torch.argsort(key, stable=True)
 
 
 def _joined(grafts: list[Values]) -> dict[str, Any]:
@@ -127,79 +144,113 @@ def _read_flags(flags: list[torch.Tensor | None]) -> list[bool]:
     return values
 
 
-def _pairs(counts: list[int], graft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pairs(counts: list[int], graft: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, bool]]:
     """The (example, entry) pairs of a batch, on the host: each example with every entry of its graft (``graft``: per
-    example, the position of its graft in the joined order, -1 for none), entries numbered in the joined order."""
+    example, the position of its graft in the joined order, -1 for none), entries numbered in the joined order.
+    Returns ``[examples, entries, slots, lengths]`` and ``(width, padded)``: the pairs laid out one row per example,
+    ``width`` wide (its largest number of pairs), a pair at flat position ``slot``; ``lengths``: each example's
+    number of pairs; ``padded``: whether some row has fewer."""
     counts = torch.tensor(counts, dtype=torch.int64)
     held = graft.clamp(min=0)
     lengths = torch.where(graft >= 0, counts[held], 0)
-    shift = (counts.cumsum(0) - counts)[held] - (lengths.cumsum(0) - lengths)  # graft's start - pair's start
+    starts = lengths.cumsum(0) - lengths
+    shift = (counts.cumsum(0) - counts)[held] - starts  # graft's start - pair's start
     pairs = int(lengths.sum())
     examples = torch.arange(graft.numel()).repeat_interleave(lengths, output_size=pairs)
-    return examples, torch.arange(pairs) + shift.repeat_interleave(lengths, output_size=pairs)
+    positions = torch.arange(pairs)
+    width = int(lengths.max()) if lengths.numel() else 0
+    slots = examples * width + positions - starts.repeat_interleave(lengths, output_size=pairs)
+    entries = positions + shift.repeat_interleave(lengths, output_size=pairs)
+    return [examples, entries, slots, lengths], (width, bool((lengths < width).any()))
 
 
 def _gathered(joined: dict[str, Any], graft: tuple[int, ...], device: torch.device, memo: dict) -> dict[str, tuple]:
-    """Per base tensor, the batch's ``(examples, flat indices, values)`` over its (example, entry) pairs, gathered
-    by one index per tensor whatever the number of grafts (``graft``: per example, the position of its graft in the
-    joined order, -1 for none). The index is built on the host and sent in one copy, once per batch for all layers
-    with the same grafts and entry counts (``memo``)."""
+    """Per base tensor, the batch's ``(examples, flat indices, values, slots, lengths, (width, padded))`` over its
+    (example, entry) pairs (see :func:`_pairs`), gathered by one index per tensor whatever the number of grafts
+    (``graft``: per example, the position of its graft in the joined order, -1 for none). The index is built on the
+    host and sent in one copy, once per batch for all layers with the same grafts and entry counts (``memo``)."""
     counts = tuple(tuple(counts) for *_, counts in joined.values())
     key = (graft, counts, device)
     if key not in memo:
         numbers = torch.tensor(graft, dtype=torch.int64)
-        parts = [index for layer_counts in counts for index in _pairs(list(layer_counts), numbers)]
-        memo[key] = to_device(torch.cat(parts), device).split([part.numel() for part in parts])
-    pieces = memo[key]
+        built = [_pairs(list(layer_counts), numbers) for layer_counts in counts]
+        parts = [index for indices, _ in built for index in indices]
+        pieces = to_device(torch.cat(parts), device).split([part.numel() for part in parts])
+        memo[key] = pieces, [layout for _, layout in built]
+    pieces, layouts = memo[key]
     out = {}
     for number, (attr, (at, _, value, _)) in enumerate(joined.items()):
-        examples, entry = pieces[2 * number], pieces[2 * number + 1]
-        out[attr] = examples, at[entry], value[entry]
+        examples, entry, slots, lengths = pieces[4 * number : 4 * number + 4]
+        out[attr] = examples, at[entry], value[entry], slots, lengths, layouts[number]
     return out
 
 
 @dataclass
 class LayerDelta:
-    """Every group's sparse delta on one linear layer, flattened over (example, entry) pairs: the weight part adds
-    ``x[example, ..., column] * weight`` to ``out[example, ..., row]``, the bias part adds ``bias`` to
-    ``out[example, ..., bias_row]``; ``indices`` are the (example, row) of both parts, weight then bias."""
+    """Every group's sparse delta on one linear layer, one row per example: its weight entries add
+    ``x[example, ..., columns[example, k]] * weight[example, k]`` to ``out[example, ..., rows[example, k]]`` and its
+    bias entries ``bias[example, k]`` to ``out[example, ..., bias_rows[example, k]]``. Rows are padded to the
+    example with the most entries, with zeros (``padding``: where the weight part is padding, None where none is)."""
 
-    examples: torch.Tensor
     columns: torch.Tensor
+    rows: torch.Tensor
     weight: torch.Tensor
+    padding: torch.Tensor | None
+    bias_rows: torch.Tensor
     bias: torch.Tensor
-    indices: tuple[torch.Tensor, torch.Tensor]
     density: float = 0.0  # the largest share of the weight's entries one graft holds
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one accumulating
-        ``index_put_`` into ``out`` for the whole batch, whatever the number of groups (a loop over the groups would
-        launch a few kernels per group and layer, most of a decoding step's time)."""
+        """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one ``scatter_add_``
+        into ``out`` along the features, for the whole batch whatever the number of groups (a loop over the groups
+        would launch a few kernels per group and layer, most of a decoding step's time)."""
         batch_size = x.shape[0]
         x3 = x.reshape(batch_size, -1, x.shape[-1])
         out = out.contiguous()
-        out_t = out.view(batch_size, -1, out.shape[-1]).transpose(1, 2)  # (example, feature, token), a view
-        values = x3[self.examples, :, self.columns].float() * self.weight[:, None]
+        out3 = out.view(batch_size, -1, out.shape[-1])
+        tokens = x3.shape[1]
+        if self.weight.numel():
+            values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1)).float() * self.weight[:, None]
+            if self.padding is not None:  # x * 0 is not 0 where x is infinite
+                values.masked_fill_(self.padding[:, None], 0.0)
+            out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values.to(out.dtype))
         if self.bias.numel():
-            values = torch.cat([values, self.bias[:, None].expand(-1, x3.shape[1])])
-        out_t.index_put_(self.indices, values.to(out.dtype), accumulate=True)
+            bias = self.bias[:, None].expand(-1, tokens, -1).to(out.dtype)
+            out3.scatter_add_(2, self.bias_rows[:, None].expand(-1, tokens, -1), bias)
         return out
+
+
+def _per_example(parts: tuple, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """``(rows or columns..., values)`` of a tensor's pairs, laid out one row per example (see :func:`_pairs`)."""
+    *columns, slots, lengths, (width, padded) = parts
+    laid = []
+    for column in columns:
+        out = column.new_zeros(batch_size * width)
+        laid.append(out.index_copy_(0, slots, column).view(batch_size, width))
+    padding = torch.arange(width, device=lengths.device) >= lengths[:, None] if padded else None
+    return (*laid, padding)
 
 
 def _layer_delta(joined: dict[str, Any], graft: tuple[int, ...], shape: tuple, memo: dict) -> LayerDelta:
     out_features, in_features, transposed = shape
+    batch_size = len(graft)
     device = joined["weight"][0].device if "weight" in joined else joined["bias"][0].device
     gathered = _gathered(joined, graft, device, memo)
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    examples, at, weight = gathered.get("weight", (empty, empty, empty.float()))
-    if transposed:  # Conv1D stores (in, out)
-        rows, columns = at % out_features, at // out_features
-    else:
-        rows, columns = at // in_features, at % in_features
-    bias_examples, bias_rows, bias = gathered.get("bias", (empty, empty, empty.float()))
+    empty = torch.empty(batch_size, 0, dtype=torch.int64, device=device)
+    columns, rows, weight, padding = empty, empty, empty.float(), None
+    if "weight" in gathered:
+        _, at, value, *layout = gathered["weight"]
+        if transposed:  # Conv1D stores (in, out)
+            rows, columns = at % out_features, at // out_features
+        else:
+            rows, columns = at // in_features, at % in_features
+        columns, rows, weight, padding = _per_example((columns, rows, value, *layout), batch_size)
+    bias_rows, bias = empty, empty.float()
+    if "bias" in gathered:
+        _, at, value, *layout = gathered["bias"]
+        bias_rows, bias, _ = _per_example((at, value, *layout), batch_size)
     density = max(joined["weight"][3]) / (out_features * in_features) if "weight" in joined else 0.0
-    indices = torch.cat([examples, bias_examples]), torch.cat([rows, bias_rows])
-    return LayerDelta(examples, columns, weight, bias, indices, density)
+    return LayerDelta(columns, rows, weight, padding, bias_rows, bias, density)
 
 
 EXACT_WITH_EXAMPLE_PARAMETERS = "_example_parameters_exact"
@@ -240,13 +291,76 @@ def _example_parameters(layer: nn.Module, joined: dict[str, Any], graft: tuple[i
     parameters = layer.base_layer._parameters
     device = next(iter(joined.values()))[0].device
     tensors = {}
-    for attr, (examples, at, value) in _gathered(joined, graft, device, memo).items():
+    for attr, (examples, at, value, *_) in _gathered(joined, graft, device, memo).items():
         tensor = parameters[attr].data.expand(len(graft), features).clone()
         tensors[attr] = tensor.index_put_((examples, at), value)
     return ExampleParameters(tensors, features)
 
 
-def prepare(layers: list[tuple[nn.Module, list[str], list[str]]]) -> list[LayerDelta | ExampleParameters | None]:
+@dataclass
+class LayerNormColumns:
+    """An ``nn.LayerNorm`` run once for the batch, then, at the features where an example's graft changes its weight or
+    bias, that output recomputed as ``(x - mean) * rstd * weight + bias`` with the example's values and the kernel's
+    own ``mean`` and ``rstd``: one row of ``columns`` per example (padded by its first column again), its ``weight``
+    and ``bias`` there (``empty``: the examples without any, whose row keeps the kernel's output; None if none). The
+    other features are the kernel's output, bit for bit the exact path's; the recomputed ones differ from it by the
+    arrangement of the arithmetic only: at most ``4 u ((|x| + |mean|) rstd |weight| + |bias|) + u |y|`` (``u`` the unit
+    roundoff of fp32). Float32 and float64 inputs only: the kernel returns ``mean`` and ``rstd`` in the input's dtype,
+    too coarse below fp32, so other inputs take the exact path."""
+
+    columns: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    empty: torch.Tensor | None
+    features: int
+
+    def forward(self, layer: nn.Module, x: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
+        base = layer.base_layer
+        if x.dtype not in (torch.float32, torch.float64):
+            return exact()
+        out, mean, rstd = torch.native_layer_norm(x, base.normalized_shape, base.weight, base.bias, base.eps)
+        batch_size = x.shape[0]
+        x3, out3 = x.reshape(batch_size, -1, self.features), out.view(batch_size, -1, self.features)
+        columns = self.columns[:, None].expand(-1, x3.shape[1], -1)
+        normalized = (torch.gather(x3, 2, columns) - mean.view(batch_size, -1, 1)) * rstd.view(batch_size, -1, 1)
+        values = normalized * self.weight[:, None].to(x.dtype) + self.bias[:, None].to(x.dtype)
+        if self.empty is not None:
+            values = torch.where(self.empty[:, None, None], torch.gather(out3, 2, columns), values)
+        return out3.scatter(2, columns, values).view_as(out)
+
+
+def _layer_norm_columns(layer: nn.Module, joined: dict[str, Any], graft: tuple[int, ...], memo: dict):
+    base = layer.base_layer
+    device, features, batch_size = base.weight.device, base.normalized_shape[0], len(graft)
+    gathered = _gathered(joined, graft, device, memo)
+    laid = [_per_example((at, *layout), batch_size) for _, at, _, *layout in gathered.values()]
+    columns = torch.cat([column for column, _ in laid], dim=1)
+    empty = None  # the examples without an entry here: their rows are all padding
+    if any(padding is not None for _, padding in laid):
+        padding = torch.cat([torch.zeros_like(c, dtype=torch.bool) if p is None else p for c, p in laid], dim=1)
+        # A padded slot writes the value of its example's first entry again: at a column of its own it would race
+        # with a real slot of that column (scatter's order among equal indices is undefined).
+        first = columns.gather(1, (~padding).to(torch.uint8).argmax(1, keepdim=True))
+        columns = torch.where(padding, first, columns)
+        empty = padding.all(1)
+    tensors = {}
+    for attr in ("weight", "bias"):
+        tensor = base._parameters[attr]
+        if tensor is None:
+            tensors[attr] = torch.zeros(batch_size, features, device=device)
+            continue
+        tensor = tensor.data.expand(batch_size, features).clone()
+        if attr in gathered:
+            examples, at, value, *_ = gathered[attr]
+            tensor.index_put_((examples, at), value)
+        tensors[attr] = tensor
+    weight, bias = (tensors[attr].gather(1, columns) for attr in ("weight", "bias"))
+    return LayerNormColumns(columns, weight, bias, empty, features)
+
+
+def prepare(
+    layers: list[tuple[nn.Module, list[str], list[str]]],
+) -> list[LayerDelta | LayerNormColumns | ExampleParameters | None]:
     """For each ``(layer, its grafts in the batch, the batch's graft per example)``, what the mode runs it with (None:
     the exact path), built before the forward, so that the base values of every layer are compared with one read per
     device."""
@@ -267,6 +381,8 @@ def prepare(layers: list[tuple[nn.Module, list[str], list[str]]]) -> list[LayerD
         graft = tuple(position.get(name, -1) for name in names)
         if kind[0] == "linear":
             results[number] = _layer_delta(joined, graft, kind[1], memo)
+        elif kind[0] == "layer_norm":
+            results[number] = _layer_norm_columns(layer, joined, graft, memo)
         else:
             results[number] = _example_parameters(layer, joined, graft, kind[1], memo)
     return results
