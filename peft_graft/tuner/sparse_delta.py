@@ -1,17 +1,20 @@
 """The ``"sparse_delta"`` mode of mixed-graft batches (``model.set_mixed_batch_mode("sparse_delta")``): a graft layer
-runs its base layer once for the whole batch instead of once per group of examples (mixed_batch.py), in two ways.
+runs its base layer once for the whole batch instead of once per group of examples (mixed_batch.py), in three ways.
 
 - A ``Linear`` (or GPT-2 ``Conv1D``) layer whose grafts are sparse there for the call (:data:`SPARSE_DELTA_MAX_WORK`:
-  decoding steps qualify where a prefill may not) adds each group's sparse delta to its rows' outputs,
+  decoding steps qualify where a prefill may not) adds each example's sparse delta to its outputs,
   ``y[:, r] += x[:, c] * d`` per entry (and ``d`` at a bias entry) (:class:`LayerDelta`). Its output differs from the
   exact one by floating-point rounding only: at most ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per
   output (``n`` the layer's input size, ``u`` the unit roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``,
   ``w`` and ``w'`` the row of the base and of the grafted weight), the bound ``tests/test_mixed_batch.py`` checks.
+- An ``nn.LayerNorm`` (fp32 or fp64 input) recomputes, from its kernel's mean and rstd, only the features where an
+  example's graft changes its weight or bias, within the bound stated in :class:`LayerNormColumns`; the other features
+  are bit for bit the exact path's.
 - A layer whose grafted tensors are vectors over its input's last dimension (an RMSNorm's weight) gets one copy of
   them per example, its graft's values written in, as a ``(batch, 1, ..., features)`` tensor through
   ``functional_call`` (:class:`ExampleParameters`). Where the layer applies them element-wise, each example's output
   is bit for bit that of the exact path. This is checked on the layer's first call against the exact path; a layer
-  that fails the check (``nn.LayerNorm``, whose fused kernel takes no per-example weight) keeps the exact path.
+  that fails the check keeps the exact path.
 
 Other layers keep the exact per-group path. Each graft's values on a layer are built once and kept with its one-graft
 in-place plan (so for as long as the plan is current, and freed with it); a batch's are joined and indexed before the
