@@ -290,13 +290,21 @@ class ExampleParameters:
         return out
 
 
+def _per_example_copy(tensor: torch.Tensor, batch_size: int, pairs: tuple | None) -> torch.Tensor:
+    """``(batch_size, features)``: a copy of the vector ``tensor`` per example, the values of ``pairs`` (an entry of
+    :func:`_gathered`, None for none) written into their examples' copies."""
+    copies = tensor.data.expand(batch_size, tensor.shape[-1]).clone()
+    if pairs is not None:
+        examples, at, value, *_ = pairs
+        copies.index_put_((examples, at), value)
+    return copies
+
+
 def _example_parameters(layer: nn.Module, joined: dict[str, Any], graft: tuple[int, ...], features: int, memo: dict):
     parameters = layer.base_layer._parameters
     device = next(iter(joined.values()))[0].device
-    tensors = {}
-    for attr, (examples, at, value, *_) in _gathered(joined, graft, device, memo).items():
-        tensor = parameters[attr].data.expand(len(graft), features).clone()
-        tensors[attr] = tensor.index_put_((examples, at), value)
+    gathered = _gathered(joined, graft, device, memo)
+    tensors = {attr: _per_example_copy(parameters[attr], len(graft), pairs) for attr, pairs in gathered.items()}
     return ExampleParameters(tensors, features)
 
 
@@ -346,18 +354,11 @@ def _layer_norm_columns(layer: nn.Module, joined: dict[str, Any], graft: tuple[i
         first = columns.gather(1, (~padding).to(torch.uint8).argmax(1, keepdim=True))
         columns = torch.where(padding, first, columns)
         empty = padding.all(1)
-    tensors = {}
-    for attr in ("weight", "bias"):
-        tensor = base._parameters[attr]
-        if tensor is None:
-            tensors[attr] = torch.zeros(batch_size, features, device=device)
-            continue
-        tensor = tensor.data.expand(batch_size, features).clone()
-        if attr in gathered:
-            examples, at, value, *_ = gathered[attr]
-            tensor.index_put_((examples, at), value)
-        tensors[attr] = tensor
-    weight, bias = (tensors[attr].gather(1, columns) for attr in ("weight", "bias"))
+    weight = _per_example_copy(base.weight, batch_size, gathered.get("weight")).gather(1, columns)
+    if base.bias is None:
+        bias = torch.zeros_like(weight)
+    else:
+        bias = _per_example_copy(base.bias, batch_size, gathered.get("bias")).gather(1, columns)
     return LayerNormColumns(columns, weight, bias, empty, features)
 
 
