@@ -476,14 +476,14 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     def flat(row, column):
         return column * out_features + row if transposed else row * in_features + column
 
-    at = [torch.tensor([flat(r, c) for r, c, _ in entries[g]]) for g in (0, 1)]
-    weight = [torch.tensor([d for *_, d in entries[g]]) for g in (0, 1)]
-    joined = {
-        "weight": (torch.cat(at), torch.zeros(5), torch.cat(weight), [4, 1]),
-        "bias": (torch.tensor([2]), torch.zeros(1), torch.tensor([-1.0]), [0, 1]),
-    }
-    graft = (1, 0, -1, 1)  # example 2 has no graft: a row of padding only
-    delta = sparse_delta._layer_delta(joined, graft, shape, memo={})
+    values = []  # per graft, as graft_values gives them: (flat indices, base values there, deltas)
+    for g in (0, 1):
+        at, deltas = torch.tensor([flat(r, c) for r, c, _ in entries[g]]), torch.tensor([d for *_, d in entries[g]])
+        values.append({"weight": (at, torch.zeros(len(at)), deltas)})
+    values[1]["bias"] = (torch.tensor([2]), torch.zeros(1), torch.tensor([-1.0]))
+    joined = sparse_delta._joined(values, ("linear", shape))
+    graft = (1, 0, 2, 1)  # example 2 has no graft (number 2, after the grafts): a row of padding only
+    delta = sparse_delta._layer_delta(joined, graft, torch.tensor(graft), shape)
     assert delta.padding is not None and delta.weight.shape == (4, 4)
     x = torch.randn(4, tokens, in_features)
     x[0, :, 0] = float("inf")  # example 0 (graft 1) pads 3 slots, which point at column 0
@@ -491,7 +491,7 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     fast = delta.add_to(out.clone(), x)
     expected = out.double().clone()
     for example, g in enumerate(graft):
-        if g < 0:
+        if g == 2:
             continue
         for row, column, d in entries[g]:
             expected[example, :, row] += x[example, :, column].double() * d
@@ -726,6 +726,52 @@ def test_sparse_delta_mode_runs_layer_norms_once_per_batch(arch, monkeypatch):
     assert unchanged(model, before)
 
 
+def test_layer_norm_columns_follow_per_example_layer_norms_and_leave_autograd_to_the_exact_path():
+    """``LayerNormColumns`` from joined grafts (two weight and one bias entry, one bias entry, an example without a
+    graft): each example's output is that of ``F.layer_norm`` with its graft's weight and bias (float64 reference) at
+    the features its graft changes, and the kernel's output bit for bit elsewhere. A call that autograd records takes
+    the exact path (no gradient flows through the kernel's mean and rstd: the input's gradient would be wrong)."""
+    from peft_graft.tuner import sparse_delta
+
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.base_layer = norm = nn.LayerNorm(6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    norm.requires_grad_(False)
+    w, b = norm.weight, norm.bias
+    values = [  # per graft, as graft_values gives them: (flat indices, base values there, grafted values)
+        {
+            "weight": (torch.tensor([1, 4]), w[[1, 4]], torch.tensor([3.0, -2.0])),
+            "bias": (torch.tensor([4]), b[[4]], torch.tensor([0.5])),
+        },
+        {"bias": (torch.tensor([2]), b[[2]], torch.tensor([-1.5]))},
+    ]
+    joined = sparse_delta._joined(values, ("layer_norm", 6))
+    graft = (0, 1, 2, 0)  # example 2 has no graft here (number 2, after the grafts)
+    columns = sparse_delta._layer_norm_columns(layer, joined, graft, torch.tensor(graft))
+    x = torch.randn(4, 64, 6)
+    sentinel = torch.full_like(x, 7.0)
+    out = columns.forward(layer, x, lambda: sentinel)
+    kernel = norm(x)
+    for example, changed in enumerate([[1, 4], [2], [], [1, 4]]):  # the others are the kernel's, bit for bit
+        kept = [feature for feature in range(6) if feature not in changed]
+        assert torch.equal(out[example][:, kept], kernel[example][:, kept]), example
+    for example, g in enumerate(graft):
+        weight, bias = w.double().clone(), b.double().clone()
+        for attr, tensor in (("weight", weight), ("bias", bias)):
+            if g < 2 and attr in values[g]:
+                tensor[values[g][attr][0]] = values[g][attr][2].double()
+        expected = torch.nn.functional.layer_norm(x[example].double(), (6,), weight, bias, norm.eps)
+        torch.testing.assert_close(out[example].double(), expected, rtol=1e-5, atol=1e-5)
+    assert columns.forward(layer, x.clone().requires_grad_(), lambda: sentinel) is sentinel
+    norm.weight.requires_grad_(True)
+    assert columns.forward(layer, x, lambda: sentinel) is sentinel
+    with torch.no_grad():
+        assert columns.forward(layer, x, lambda: sentinel) is not sentinel
+
+
 def test_layer_norm_columns_leave_low_precision_inputs_to_the_exact_path():
     """Below fp32 the LayerNorm kernel returns its mean and rstd rounded to the input's dtype: such inputs take the
     exact path."""
@@ -735,7 +781,7 @@ def test_layer_norm_columns_leave_low_precision_inputs_to_the_exact_path():
         torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), torch.zeros(2, 1), None, features=4
     )
     layer = nn.Module()
-    layer.base_layer = nn.LayerNorm(4)
+    layer.base_layer = nn.LayerNorm(4).requires_grad_(False)
     sentinel = torch.full((2, 3, 4), 7.0)
     assert columns.forward(layer, torch.randn(2, 3, 4, dtype=torch.bfloat16), lambda: sentinel) is sentinel
     assert columns.forward(layer, torch.randn(2, 3, 4), lambda: sentinel) is not sentinel

@@ -17,19 +17,21 @@ runs its base layer once for the whole batch instead of once per group of exampl
   that fails the check keeps the exact path.
 
 Other layers keep the exact per-group path. Each graft's values on a layer are built once and kept with its one-graft
-in-place plan (so for as long as the plan is current, and freed with it); a batch's are joined and indexed before the
-forward (:func:`prepare`), with the base values under the entries compared for every layer at once: on a GPU, each
-read of a result makes the host wait for the queue.
+in-place plan (so for as long as the plan is current, and freed with it). A layer's grafts are joined into padded
+tables, one row per graft (:class:`Joined`), kept while batches bring the same grafts; before the forward
+(:func:`prepare`) a batch picks its examples' rows, a few ``index_select`` calls per layer, and the base values under
+the entries are compared for every layer at once: on a GPU each kernel launch costs host time, and each read of a
+result makes the host wait for the queue.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from .entries import graft_entries
 
@@ -112,80 +114,106 @@ def _along_wider_side(at: torch.Tensor, shape: tuple[int, int, bool]) -> torch.T
     return torch.argsort(key, stable=True)
 
 
-def _joined(grafts: list[Values]) -> dict[str, Any]:
-    """Per base tensor that a graft changes: the grafts' (indices, base values, values) joined graft after graft, and
-    each graft's number of entries (ints)."""
-    joined = {}
+@dataclass
+class Joined:
+    """A layer's grafts joined graft after graft, kept while a batch brings the same grafts (:data:`_JOINED`): per base
+    tensor the flat indices ``at`` of every graft's entries, the base values there when built (``original``,
+    compared with the base on every batch, :func:`_changed_layers`), the values (:data:`Values`), each graft's number of
+    entries (``counts``), and ``tables``: one padded row per graft and a last row for none, laid out for the kind of
+    layer (:func:`_tables`), so that a batch picks its examples' rows with one ``index_select`` per table."""
+
+    at: dict[str, torch.Tensor]
+    original: dict[str, torch.Tensor]
+    value: dict[str, torch.Tensor]
+    counts: dict[str, list[int]]
+    tables: dict[str, torch.Tensor]
+    grafts: int
+
+
+def _joined(grafts: list[Values], kind: tuple) -> Joined:
+    columns = {}
     for attr in dict.fromkeys(attr for graft in grafts for attr in graft):
         present = next(graft[attr] for graft in grafts if attr in graft)
         empty = tuple(t.new_empty(0) for t in present)
-        parts = [graft.get(attr, empty) for graft in grafts]
-        joined[attr] = (*(torch.cat(column) for column in zip(*parts, strict=True)), [p[0].numel() for p in parts])
-    return joined
+        columns[attr] = list(zip(*(graft.get(attr, empty) for graft in grafts), strict=True))
+    return Joined(
+        at={attr: torch.cat(parts[0]) for attr, parts in columns.items()},
+        original={attr: torch.cat(parts[1]) for attr, parts in columns.items()},
+        value={attr: torch.cat(parts[2]) for attr, parts in columns.items()},
+        counts={attr: [part.numel() for part in parts[0]] for attr, parts in columns.items()},
+        tables=_tables(columns, kind, len(grafts)),
+        grafts=len(grafts),
+    )
 
 
-def _changed(layer: nn.Module, joined: dict[str, Any]) -> torch.Tensor | None:
-    """Whether a base value under an entry is no longer the one the values were taken against (they move with it: by
-    rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version counter, so the values
-    are compared, one gather per tensor and batch). A boolean tensor on the layer's device, read back with every other
-    layer's at once (:func:`_read_flags`); None where there is nothing to compare."""
-    parameters = layer.base_layer._parameters
-    flags = [(parameters[attr].data.take(at) != original).any() for attr, (at, original, *_) in joined.items()]
-    return torch.stack(flags).any() if flags else None
+def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, torch.Tensor]:
+    """The padded tables of :class:`Joined` (``columns``: per base tensor, the grafts' indices, base values and values).
+
+    - linear: ``columns``, ``rows``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight
+      entries, ``bias_rows`` and ``bias`` of the bias entries (zero-padded: a padded bias slot adds 0);
+    - layer_norm: ``columns``, the features a graft changes (its weight entries', then its bias entries'), padded by
+      the row's first column again (elsewhere a padded slot would recompute a feature the graft leaves, which stays
+      the kernel's bit for bit), and ``owner_<tensor>``: the graft of each entry, to write its values into a copy
+      of the base per graft;
+    - vector: the ``owner_<tensor>`` only.
+    """
+    tables = {}
+    if kind[0] == "linear":
+        out_features, in_features, transposed = kind[1]
+        device = next(iter(columns.values()))[0][0].device
+        none = (
+            [torch.empty(0, dtype=torch.int64, device=device)] * grafts,
+            None,
+            [torch.empty(0, device=device)] * grafts,
+        )
+        indices, _, deltas = columns.get("weight", none)
+        if transposed:  # Conv1D stores (in, out)
+            rows, cols = [at % out_features for at in indices], [at // out_features for at in indices]
+        else:
+            rows, cols = [at // in_features for at in indices], [at % in_features for at in indices]
+        tables.update(columns=_padded(cols), rows=_padded(rows), weight=_padded(deltas))
+        tables["padding"] = _padding([at.numel() for at in indices] + [0], tables["weight"])
+        indices, _, deltas = columns.get("bias", none)
+        tables.update(bias_rows=_padded(indices), bias=_padded(deltas))
+        return tables
+    for attr, (indices, *_) in columns.items():
+        owner = [torch.full_like(at, number) for number, at in enumerate(indices)]
+        tables[f"owner_{attr}"] = torch.cat(owner)
+    if kind[0] == "layer_norm":
+        changed = [torch.cat([parts[0][number] for parts in columns.values()]) for number in range(grafts)]
+        table = _padded(changed)
+        padding = _padding([c.numel() for c in changed] + [table.shape[1]], table)
+        tables["columns"] = torch.where(padding, table[:, :1], table)
+    return tables
 
 
-def _read_flags(flags: list[torch.Tensor | None]) -> list[bool]:
-    """``flags`` as bools, read back with one transfer per device (on a GPU each read waits for its queue)."""
-    values = [False] * len(flags)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, flag in enumerate(flags):
-        if flag is not None:
-            by_device.setdefault(flag.device, []).append(i)
-    for positions in by_device.values():
-        for i, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist(), strict=True):
-            values[i] = value
-    return values
+def _padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (a 1-D tensor per graft) as the rows of a table, zero-padded, with a last row of zeros for none."""
+    return pad_sequence([*parts, parts[0].new_zeros(0)], batch_first=True)
 
 
-def _pairs(counts: list[int], graft: torch.Tensor) -> tuple[list[torch.Tensor], tuple[int, bool]]:
-    """The (example, entry) pairs of a batch, on the host: each example with every entry of its graft (``graft``: per
-    example, the position of its graft in the joined order, -1 for none), entries numbered in the joined order.
-    Returns ``[examples, entries, slots, lengths]`` and ``(width, padded)``: the pairs laid out one row per example,
-    ``width`` wide (its largest number of pairs), a pair at flat position ``slot``; ``lengths``: each example's
-    number of pairs; ``padded``: whether some row has fewer."""
-    counts = torch.tensor(counts, dtype=torch.int64)
-    held = graft.clamp(min=0)
-    lengths = torch.where(graft >= 0, counts[held], 0)
-    starts = lengths.cumsum(0) - lengths
-    shift = (counts.cumsum(0) - counts)[held] - starts  # graft's start - pair's start
-    pairs = int(lengths.sum())
-    examples = torch.arange(graft.numel()).repeat_interleave(lengths, output_size=pairs)
-    positions = torch.arange(pairs)
-    width = int(lengths.max()) if lengths.numel() else 0
-    slots = examples * width + positions - starts.repeat_interleave(lengths, output_size=pairs)
-    entries = positions + shift.repeat_interleave(lengths, output_size=pairs)
-    return [examples, entries, slots, lengths], (width, bool((lengths < width).any()))
+def _padding(lengths: list[int], table: torch.Tensor) -> torch.Tensor:
+    """Where ``table``'s rows, of ``lengths`` entries each, are padding."""
+    lengths = torch.tensor(lengths, device=table.device)
+    return torch.arange(table.shape[1], device=table.device) >= lengths[:, None]
 
 
-def _gathered(joined: dict[str, Any], graft: tuple[int, ...], device: torch.device, memo: dict) -> dict[str, tuple]:
-    """Per base tensor, the batch's ``(examples, flat indices, values, slots, lengths, (width, padded))`` over its
-    (example, entry) pairs (see :func:`_pairs`), gathered by one index per tensor whatever the number of grafts
-    (``graft``: per example, the position of its graft in the joined order, -1 for none). The index is built on the
-    host and sent in one copy, once per batch for all layers with the same grafts and entry counts (``memo``)."""
-    counts = tuple(tuple(counts) for *_, counts in joined.values())
-    key = (graft, counts, device)
-    if key not in memo:
-        numbers = torch.tensor(graft, dtype=torch.int64)
-        built = [_pairs(list(layer_counts), numbers) for layer_counts in counts]
-        parts = [index for indices, _ in built for index in indices]
-        pieces = to_device(torch.cat(parts), device).split([part.numel() for part in parts])
-        memo[key] = pieces, [layout for _, layout in built]
-    pieces, layouts = memo[key]
-    out = {}
-    for number, (attr, (at, _, value, _)) in enumerate(joined.items()):
-        examples, entry, slots, lengths = pieces[4 * number : 4 * number + 4]
-        out[attr] = examples, at[entry], value[entry], slots, lengths, layouts[number]
-    return out
+def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
+    """Per ``(layer, joined)``, whether a base value under an entry is no longer the one the values were taken against
+    (they move with it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
+    counter, so the values are compared: one gather per tensor and batch). The results are read back with one
+    transfer per device (on a GPU each read waits for its queue), then per layer only where some differ."""
+    differs = [
+        [layer.base_layer._parameters[attr].data.take(at) != joined.original[attr] for attr, at in joined.at.items()]
+        for layer, joined in layers
+    ]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for flags in differs:
+        for flag in flags:
+            by_device.setdefault(flag.device, []).append(flag)
+    if not any(torch.cat(flags).any().item() for flags in by_device.values()):
+        return [False] * len(layers)
+    return [bool(torch.cat(flags).any()) if flags else False for flags in differs]
 
 
 @dataclass
@@ -223,36 +251,20 @@ class LayerDelta:
         return out
 
 
-def _per_example(parts: tuple, batch_size: int) -> tuple[torch.Tensor, ...]:
-    """``(rows or columns..., values)`` of a tensor's pairs, laid out one row per example (see :func:`_pairs`)."""
-    *columns, slots, lengths, (width, padded) = parts
-    laid = []
-    for column in columns:
-        out = column.new_zeros(batch_size * width)
-        laid.append(out.index_copy_(0, slots, column).view(batch_size, width))
-    padding = torch.arange(width, device=lengths.device) >= lengths[:, None] if padded else None
-    return (*laid, padding)
+def _rows(joined: Joined, numbers: torch.Tensor, *names: str) -> list[torch.Tensor]:
+    """The rows of ``joined``'s tables ``names`` for each example (``numbers``: per example, its graft's position in
+    the joined order, the number of grafts for none)."""
+    return [joined.tables[name].index_select(0, numbers) for name in names]
 
 
-def _layer_delta(joined: dict[str, Any], graft: tuple[int, ...], shape: tuple, memo: dict) -> LayerDelta:
-    out_features, in_features, transposed = shape
-    batch_size = len(graft)
-    device = joined["weight"][0].device if "weight" in joined else joined["bias"][0].device
-    gathered = _gathered(joined, graft, device, memo)
-    empty = torch.empty(batch_size, 0, dtype=torch.int64, device=device)
-    columns, rows, weight, padding = empty, empty, empty.float(), None
-    if "weight" in gathered:
-        _, at, value, *layout = gathered["weight"]
-        if transposed:  # Conv1D stores (in, out)
-            rows, columns = at % out_features, at // out_features
-        else:
-            rows, columns = at // in_features, at % in_features
-        columns, rows, weight, padding = _per_example((columns, rows, value, *layout), batch_size)
-    bias_rows, bias = empty, empty.float()
-    if "bias" in gathered:
-        _, at, value, *layout = gathered["bias"]
-        bias_rows, bias, _ = _per_example((at, value, *layout), batch_size)
-    density = max(joined["weight"][3]) / (out_features * in_features) if "weight" in joined else 0.0
+def _layer_delta(joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, shape: tuple) -> LayerDelta:
+    """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host)."""
+    counts = [*joined.counts.get("weight", []), 0]  # the last: none
+    width = joined.tables["weight"].shape[1]
+    columns, rows, weight, bias_rows, bias = _rows(joined, numbers, "columns", "rows", "weight", "bias_rows", "bias")
+    padded = any(counts[number] < width for number in graft)
+    padding = _rows(joined, numbers, "padding")[0] if padded else None
+    density = max(counts) / (shape[0] * shape[1])
     return LayerDelta(columns, rows, weight, padding, bias_rows, bias, density)
 
 
@@ -290,21 +302,18 @@ class ExampleParameters:
         return out
 
 
-def _per_example_copy(tensor: torch.Tensor, batch_size: int, pairs: tuple | None) -> torch.Tensor:
-    """``(batch_size, features)``: a copy of the vector ``tensor`` per example, the values of ``pairs`` (an entry of
-    :func:`_gathered`, None for none) written into their examples' copies."""
-    copies = tensor.data.expand(batch_size, tensor.shape[-1]).clone()
-    if pairs is not None:
-        examples, at, value, *_ = pairs
-        copies.index_put_((examples, at), value)
+def _copies(tensor: torch.Tensor, joined: Joined, attr: str) -> torch.Tensor:
+    """``(grafts + 1, features)``: a copy of the vector ``tensor`` per graft with its values written in (``attr``: its
+    name; the last row: the base as it is), taken from the base on every batch."""
+    copies = tensor.data.expand(joined.grafts + 1, tensor.shape[-1]).clone()
+    if attr in joined.at:
+        copies.index_put_((joined.tables[f"owner_{attr}"], joined.at[attr]), joined.value[attr])
     return copies
 
 
-def _example_parameters(layer: nn.Module, joined: dict[str, Any], graft: tuple[int, ...], features: int, memo: dict):
+def _example_parameters(layer: nn.Module, joined: Joined, numbers: torch.Tensor, features: int) -> ExampleParameters:
     parameters = layer.base_layer._parameters
-    device = next(iter(joined.values()))[0].device
-    gathered = _gathered(joined, graft, device, memo)
-    tensors = {attr: _per_example_copy(parameters[attr], len(graft), pairs) for attr, pairs in gathered.items()}
+    tensors = {attr: _copies(parameters[attr], joined, attr).index_select(0, numbers) for attr in joined.at}
     return ExampleParameters(tensors, features)
 
 
@@ -317,7 +326,8 @@ class LayerNormColumns:
     other features are the kernel's output, bit for bit the exact path's; the recomputed ones differ from it by the
     arrangement of the arithmetic only: at most ``4 u ((|x| + |mean|) rstd |weight| + |bias|) + u |y|`` (``u`` the unit
     roundoff of fp32). Float32 and float64 inputs only: the kernel returns ``mean`` and ``rstd`` in the input's dtype,
-    too coarse below fp32, so other inputs take the exact path."""
+    too coarse below fp32, so other inputs take the exact path, as do calls autograd records (no gradient flows
+    through ``mean`` and ``rstd``)."""
 
     columns: torch.Tensor
     weight: torch.Tensor
@@ -327,7 +337,7 @@ class LayerNormColumns:
 
     def forward(self, layer: nn.Module, x: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
         base = layer.base_layer
-        if x.dtype not in (torch.float32, torch.float64):
+        if x.dtype not in (torch.float32, torch.float64) or _records_autograd(x, base):
             return exact()
         out, mean, rstd = torch.native_layer_norm(x, base.normalized_shape, base.weight, base.bias, base.eps)
         batch_size = x.shape[0]
@@ -337,29 +347,25 @@ class LayerNormColumns:
         values = normalized * self.weight[:, None].to(x.dtype) + self.bias[:, None].to(x.dtype)
         if self.empty is not None:
             values = torch.where(self.empty[:, None, None], torch.gather(out3, 2, columns), values)
-        return out3.scatter(2, columns, values).view_as(out)
+        return out3.scatter_(2, columns, values).view_as(out)
 
 
-def _layer_norm_columns(layer: nn.Module, joined: dict[str, Any], graft: tuple[int, ...], memo: dict):
+def _records_autograd(x: torch.Tensor, layer: nn.Module) -> bool:
+    """Whether autograd records a call of ``layer`` on ``x``: the kernel's ``mean`` and ``rstd`` carry no gradient, so
+    features recomputed from them would get a wrong one."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
+
+
+def _layer_norm_columns(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor):
     base = layer.base_layer
-    device, features, batch_size = base.weight.device, base.normalized_shape[0], len(graft)
-    gathered = _gathered(joined, graft, device, memo)
-    laid = [_per_example((at, *layout), batch_size) for _, at, _, *layout in gathered.values()]
-    columns = torch.cat([column for column, _ in laid], dim=1)
-    empty = None  # the examples without an entry here: their rows are all padding
-    if any(padding is not None for _, padding in laid):
-        padding = torch.cat([torch.zeros_like(c, dtype=torch.bool) if p is None else p for c, p in laid], dim=1)
-        # A padded slot writes the value of its example's first entry again: at a column of its own it would race
-        # with a real slot of that column (scatter's order among equal indices is undefined).
-        first = columns.gather(1, (~padding).to(torch.uint8).argmax(1, keepdim=True))
-        columns = torch.where(padding, first, columns)
-        empty = padding.all(1)
-    weight = _per_example_copy(base.weight, batch_size, gathered.get("weight")).gather(1, columns)
+    columns = joined.tables["columns"]
+    weight = _copies(base.weight, joined, "weight").gather(1, columns).index_select(0, numbers)
     if base.bias is None:
         bias = torch.zeros_like(weight)
     else:
-        bias = _per_example_copy(base.bias, batch_size, gathered.get("bias")).gather(1, columns)
-    return LayerNormColumns(columns, weight, bias, empty, features)
+        bias = _copies(base.bias, joined, "bias").gather(1, columns).index_select(0, numbers)
+    empty = numbers == joined.grafts if joined.grafts in graft else None  # the examples without a graft here
+    return LayerNormColumns(columns.index_select(0, numbers), weight, bias, empty, base.normalized_shape[0])
 
 
 def prepare(
@@ -367,7 +373,7 @@ def prepare(
 ) -> list[LayerDelta | LayerNormColumns | ExampleParameters | None]:
     """For each ``(layer, its grafts in the batch, the batch's graft per example)``, what the mode runs it with (None:
     the exact path), built before the forward, so that the base values of every layer are compared with one read per
-    device."""
+    device, and each example's row numbers are sent to it in one copy per device."""
     found, results = [], [None] * len(layers)
     for number, (layer, holders, names) in enumerate(layers):
         kind = _kind(layer.base_layer)
@@ -375,25 +381,38 @@ def prepare(
             kind = None  # checked: not exact with per-example tensors
         joined = _joined_for(layer, holders, kind) if holders and kind is not None else None
         if joined is not None:
-            found.append((number, layer, holders, names, kind, joined))
-    changed = _read_flags([_changed(layer, joined) for _, layer, _, _, _, joined in found])
-    memo = {}  # the batch's (example, entry) index per set of grafts and entry counts, on its device
-    for (number, layer, holders, names, kind, joined), again in zip(found, changed, strict=True):
+            position = {name: i for i, name in enumerate(holders)}
+            graft = tuple(position.get(name, len(holders)) for name in names)
+            found.append((number, layer, holders, kind, joined, graft))
+    changed = _changed_layers([(layer, joined) for _, layer, _, _, joined, _ in found])
+    numbers = _on_devices({(graft, next(iter(joined.at.values())).device) for *_, joined, graft in found})
+    for (number, layer, holders, kind, joined, graft), again in zip(found, changed, strict=True):
         if again:  # rare: built again against the base as it is now
             joined = _joined_for(layer, holders, kind, rebuild=True)
-        position = {name: i for i, name in enumerate(holders)}
-        graft = tuple(position.get(name, -1) for name in names)
+            if joined is None:
+                continue
+        on_device = numbers[graft, next(iter(joined.at.values())).device]
         if kind[0] == "linear":
-            results[number] = _layer_delta(joined, graft, kind[1], memo)
+            results[number] = _layer_delta(joined, graft, on_device, kind[1])
         elif kind[0] == "layer_norm":
-            results[number] = _layer_norm_columns(layer, joined, graft, memo)
+            results[number] = _layer_norm_columns(layer, joined, graft, on_device)
         else:
-            results[number] = _example_parameters(layer, joined, graft, kind[1], memo)
+            results[number] = _example_parameters(layer, joined, on_device, kind[1])
     return results
 
 
-def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool = False) -> dict[str, Any] | None:
-    """The joined :data:`Values` of ``holders`` on ``layer`` (``rebuild``: each built anew), or None where the exact
+def _on_devices(wanted: set[tuple[tuple[int, ...], torch.device]]) -> dict[tuple, torch.Tensor]:
+    """Each ``(numbers, device)`` of ``wanted`` as a tensor there, sent in one copy per device."""
+    out = {}
+    for device in {device for _, device in wanted}:
+        keys = [key for key in wanted if key[1] == device]
+        sent = to_device(torch.tensor([n for numbers, _ in keys for n in numbers], dtype=torch.int64), device)
+        out.update(zip(keys, sent.split([len(numbers) for numbers, _ in keys]), strict=True))
+    return out
+
+
+def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool = False) -> Joined | None:
+    """The :class:`Joined` values of ``holders`` on ``layer`` (``rebuild``: each built anew), or None where the exact
     path is needed. Each graft's are kept with its in-place plan (``plan.sparse_delta``)."""
     parameters = [p for p in layer.base_layer._parameters.values() if p is not None]
     if not parameters or parameters[0].device.type == "meta":
@@ -407,12 +426,12 @@ def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool
             own = all(parameters_ is layer.base_layer._parameters for parameters_, *_ in plan.writes)
             plan.sparse_delta = (kind, values if own else None)
     values = [plan.sparse_delta[1] for plan in plans]
-    if any(value is None for value in values):
+    if any(value is None for value in values) or not any(values):
         return None
     cached = layer.__dict__.get(_JOINED, ((), None))  # the last batch's, while its grafts' values are the same objects
     if len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values, strict=True)):
         return cached[1]
-    joined = _joined(values)
+    joined = _joined(values, kind)
     layer.__dict__[_JOINED] = (values, joined)
     return joined
 
