@@ -460,10 +460,11 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, monkeypatch):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
-    """``LayerDelta`` lays a batch's (example, entry) pairs out one row per example, padded to the example with the
-    most: grafts of 4 (two on one output row) and 1 weight entries, one holding a bias entry, and an example without a
-    graft. Each example's output gets exactly its graft's products (float64 reference), every other output is left
-    bit for bit, and an infinite input under a padded slot changes nothing (``x * 0`` would be NaN)."""
+    """``LayerDelta`` gives each example its graft's row of the joined tables, padded to the graft with the most
+    entries: grafts of 4 (two on one output row) and 1 weight entries, one holding a bias entry, and an example without
+    a graft. Each example's output gets exactly its graft's products (float64 reference), every other output is left
+    bit for bit, and an infinite input under a padded slot changes nothing (``x * 0`` would be NaN). Grafts changing
+    the bias alone add their bias entries."""
     from peft_graft.tuner import sparse_delta
 
     out_features, in_features, tokens = 5, 6, 3
@@ -487,6 +488,7 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     assert delta.padding is not None and delta.weight.shape == (4, 4)
     x = torch.randn(4, tokens, in_features)
     x[0, :, 0] = float("inf")  # example 0 (graft 1) pads 3 slots, which point at column 0
+    x[2, :, 0] = float("inf")  # and example 2 (none) 4
     out = torch.randn(4, tokens, out_features)
     fast = delta.add_to(out.clone(), x)
     expected = out.double().clone()
@@ -504,6 +506,18 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     assert torch.isfinite(fast).all()
     assert torch.equal(fast[~touched], out[~touched])
     assert torch.allclose(fast[touched].double(), expected[touched], rtol=1e-6, atol=1e-6)
+    # grafts changing the bias alone (no weight table), one of them the second: each adds its bias entries only
+    biases = [{"bias": (torch.tensor([1]), torch.zeros(1), torch.tensor([2.0]))} for _ in range(2)]
+    biases[1]["bias"] = (torch.tensor([3, 4]), torch.zeros(2), torch.tensor([-1.0, 0.5]))
+    graft = (1, 2, 0)
+    delta = sparse_delta._layer_delta(
+        sparse_delta._joined(biases, ("linear", shape)), graft, torch.tensor(graft), shape
+    )
+    expected = out.clone()
+    expected[0, :, 3] += -1.0
+    expected[0, :, 4] += 0.5
+    expected[2, :, 1] += 2.0
+    assert torch.equal(delta.add_to(out[:3].clone(), x[:3]), expected[:3])
 
 
 def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
@@ -522,9 +536,10 @@ def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
-    """Greedy generation in the "sparse_delta" mode: prefill and every decoding step take the delta path on the linear
-    graft layers (GPT-2's Conv1D, Llama's tied output embedding), and the tokens and each step's logits are the exact
-    mode's to rounding; the base is left untouched."""
+    """Greedy generation in the "sparse_delta" mode, called without ``torch.no_grad()`` (``generate`` turns autograd
+    off only after the mixed batch is set up): prefill and every decoding step take the delta path on the linear graft
+    layers (GPT-2's Conv1D, Llama's tied output embedding), and the tokens and each step's logits are the exact mode's
+    to rounding; the base is left untouched."""
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
@@ -539,14 +554,35 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
                   return_dict_in_generate=True)  # fmt: skip
     with torch.no_grad():
         exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
-        assert not lengths
-        model.set_mixed_batch_mode("sparse_delta")
-        fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+    assert not lengths
+    model.set_mixed_batch_mode("sparse_delta")
+    fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)  # as users call it: autograd off inside only
     assert unchanged(model, before)
     assert set(lengths) == {inputs["input_ids"].shape[1], 1}  # prefill, then one token per step
     assert torch.equal(fast.sequences, exact.sequences)
     for step_fast, step_exact in zip(fast.logits, exact.logits, strict=True):
         assert (step_fast - step_exact).abs().max() <= 10 * RTOL * step_exact.abs().max()
+
+
+def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch):
+    """With autograd on (eval mode), the "sparse_delta" mode runs every layer on the exact path, as the single-graft
+    forward does then: no delta is added, the logits equal the exact mode's bit for bit, and gradients reach the
+    input embeddings."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    added = []
+    monkeypatch.setattr(sparse_delta.LayerDelta, "add_to", lambda *a: added.append(1))
+    monkeypatch.setattr(sparse_delta.LayerNormColumns, "forward", lambda *a: added.append(1))
+    _, model = grafts("bert_cls")
+    inputs = batch()
+    embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_()
+    exact = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
+    model.set_mixed_batch_mode("sparse_delta")
+    fast = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
+    assert not added and torch.equal(fast, exact)
+    fast.sum().backward()
+    assert embeddings.grad is not None and embeddings.grad.abs().sum() > 0
 
 
 def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
@@ -726,11 +762,11 @@ def test_sparse_delta_mode_runs_layer_norms_once_per_batch(arch, monkeypatch):
     assert unchanged(model, before)
 
 
-def test_layer_norm_columns_follow_per_example_layer_norms_and_leave_autograd_to_the_exact_path():
-    """``LayerNormColumns`` from joined grafts (two weight and one bias entry, one bias entry, an example without a
-    graft): each example's output is that of ``F.layer_norm`` with its graft's weight and bias (float64 reference) at
-    the features its graft changes, and the kernel's output bit for bit elsewhere. A call that autograd records takes
-    the exact path (no gradient flows through the kernel's mean and rstd: the input's gradient would be wrong)."""
+def test_layer_norm_columns_follow_per_example_layer_norms():
+    """``LayerNormColumns`` from joined grafts (two weight and one bias entry, one bias entry, none; and an example
+    without a graft), in batches with and without examples left alone: each example's output is that of
+    ``F.layer_norm`` with its graft's weight and bias (float64 reference) at the features its graft changes, and the
+    kernel's output bit for bit elsewhere."""
     from peft_graft.tuner import sparse_delta
 
     torch.manual_seed(0)
@@ -747,29 +783,25 @@ def test_layer_norm_columns_follow_per_example_layer_norms_and_leave_autograd_to
             "bias": (torch.tensor([4]), b[[4]], torch.tensor([0.5])),
         },
         {"bias": (torch.tensor([2]), b[[2]], torch.tensor([-1.5]))},
+        {},  # a graft without entries here
     ]
     joined = sparse_delta._joined(values, ("layer_norm", 6))
-    graft = (0, 1, 2, 0)  # example 2 has no graft here (number 2, after the grafts)
-    columns = sparse_delta._layer_norm_columns(layer, joined, graft, torch.tensor(graft))
-    x = torch.randn(4, 64, 6)
-    sentinel = torch.full_like(x, 7.0)
-    out = columns.forward(layer, x, lambda: sentinel)
-    kernel = norm(x)
-    for example, changed in enumerate([[1, 4], [2], [], [1, 4]]):  # the others are the kernel's, bit for bit
-        kept = [feature for feature in range(6) if feature not in changed]
-        assert torch.equal(out[example][:, kept], kernel[example][:, kept]), example
-    for example, g in enumerate(graft):
-        weight, bias = w.double().clone(), b.double().clone()
-        for attr, tensor in (("weight", weight), ("bias", bias)):
-            if g < 2 and attr in values[g]:
-                tensor[values[g][attr][0]] = values[g][attr][2].double()
-        expected = torch.nn.functional.layer_norm(x[example].double(), (6,), weight, bias, norm.eps)
-        torch.testing.assert_close(out[example].double(), expected, rtol=1e-5, atol=1e-5)
-    assert columns.forward(layer, x.clone().requires_grad_(), lambda: sentinel) is sentinel
-    norm.weight.requires_grad_(True)
-    assert columns.forward(layer, x, lambda: sentinel) is sentinel
-    with torch.no_grad():
-        assert columns.forward(layer, x, lambda: sentinel) is not sentinel
+    for graft in ((0, 1, 3, 2, 0), (1, 0, 1, 0, 0)):  # example 2 of the first has no graft here (number 3)
+        columns = sparse_delta._layer_norm_columns(layer, joined, graft, torch.tensor(graft))
+        assert (columns.empty is None) == (graft[2] != 3)
+        x = torch.randn(5, 64, 6)
+        out = columns.forward(layer, x, exact=None)
+        kernel = norm(x)
+        changed = [[1, 4], [2], [], []]
+        for example, g in enumerate(graft):
+            kept = [feature for feature in range(6) if feature not in changed[g]]
+            assert torch.equal(out[example][:, kept], kernel[example][:, kept]), (graft, example)  # bit for bit
+            weight, bias = w.double().clone(), b.double().clone()
+            for attr, tensor in (("weight", weight), ("bias", bias)):
+                if g < 3 and attr in values[g]:
+                    tensor[values[g][attr][0]] = values[g][attr][2].double()
+            expected = torch.nn.functional.layer_norm(x[example].double(), (6,), weight, bias, norm.eps)
+            torch.testing.assert_close(out[example].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_layer_norm_columns_leave_low_precision_inputs_to_the_exact_path():
@@ -781,7 +813,7 @@ def test_layer_norm_columns_leave_low_precision_inputs_to_the_exact_path():
         torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), torch.zeros(2, 1), None, features=4
     )
     layer = nn.Module()
-    layer.base_layer = nn.LayerNorm(4).requires_grad_(False)
+    layer.base_layer = nn.LayerNorm(4)
     sentinel = torch.full((2, 3, 4), 7.0)
     assert columns.forward(layer, torch.randn(2, 3, 4, dtype=torch.bfloat16), lambda: sentinel) is sentinel
     assert columns.forward(layer, torch.randn(2, 3, 4), lambda: sentinel) is not sentinel

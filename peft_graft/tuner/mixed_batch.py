@@ -16,9 +16,10 @@ single-graft path's guarantees: threads run one at a time, a forward nested insi
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
 
-``model.set_mixed_batch_mode("sparse_delta")`` runs a linear layer whose grafts are sparse enough there, and a layer
-whose grafted tensors are vectors (an RMSNorm's weight), once for the whole batch instead (sparse_delta.py: linear
-layers within a stated rounding bound, vector layers bit-exact where checked); other layers keep the exact path.
+``model.set_mixed_batch_mode("sparse_delta")`` runs a linear layer whose grafts are sparse enough there, an
+``nn.LayerNorm``, and a layer whose grafted tensors are vectors (an RMSNorm's weight), once for the whole batch instead
+(sparse_delta.py: linear layers and LayerNorms within stated rounding bounds, vector layers bit-exact where checked);
+other layers, and every layer while autograd is on, keep the exact path.
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
     if not holders:
         return layer.base_layer(*args, **kwargs)
     one_call = not exact and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1
-    if batch.sparse_delta and one_call and x.shape[0] == len(batch.names):
+    # With autograd on, the exact path (functional per group, as a single-graft forward): the deltas carry no gradient
+    if batch.sparse_delta and one_call and x.shape[0] == len(batch.names) and not torch.is_grad_enabled():
         if id(layer) not in batch.deltas:  # built before the forward (prepare_sparse_deltas), unless added since
             prepare_sparse_deltas([(layer, batch)])
         delta = batch.deltas[id(layer)]
@@ -248,7 +250,8 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
 def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
     """What each ``(layer, batch)`` runs with in the "sparse_delta" mode, into ``batch.deltas``
     (:func:`sparse_delta.prepare`: every layer at once, before the forward)."""
-    built = sparse_delta.prepare([(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers])
+    with torch.no_grad():  # built for the forwards without autograd (generate turns it off only after the hooks)
+        built = sparse_delta.prepare([(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers])
     for (layer, batch), delta in zip(layers, built, strict=True):
         batch.deltas[id(layer)] = delta
 

@@ -151,10 +151,10 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
 
     - linear: ``columns``, ``rows``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight
       entries, ``bias_rows`` and ``bias`` of the bias entries (zero-padded: a padded bias slot adds 0);
-    - layer_norm: ``columns``, the features a graft changes (its weight entries', then its bias entries'), padded by
+    - layer_norm: ``columns``, the features a graft changes (its entries' in each tensor in turn), padded by
       the row's first column again (elsewhere a padded slot would recompute a feature the graft leaves, which stays
-      the kernel's bit for bit), and ``owner_<tensor>``: the graft of each entry, to write its values into a copy
-      of the base per graft;
+      the kernel's bit for bit), ``empty``: the rows without any (the last, for none), and
+      ``owner_<tensor>``: the graft of each entry, to write its values into a copy of the base per graft;
     - vector: the ``owner_<tensor>`` only.
     """
     tables = {}
@@ -182,8 +182,9 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
     if kind[0] == "layer_norm":
         changed = [torch.cat([parts[0][number] for parts in columns.values()]) for number in range(grafts)]
         table = _padded(changed)
-        padding = _padding([c.numel() for c in changed] + [table.shape[1]], table)
+        padding = _padding([c.numel() for c in changed] + [0], table)
         tables["columns"] = torch.where(padding, table[:, :1], table)
+        tables["empty"] = padding.all(1)
     return tables
 
 
@@ -221,7 +222,7 @@ class LayerDelta:
     """Every group's sparse delta on one linear layer, one row per example: its weight entries add
     ``x[example, ..., columns[example, k]] * weight[example, k]`` to ``out[example, ..., rows[example, k]]`` and its
     bias entries ``bias[example, k]`` to ``out[example, ..., bias_rows[example, k]]``. Rows are padded to the
-    example with the most entries, with zeros (``padding``: where the weight part is padding, None where none is)."""
+    graft with the most entries, with zeros (``padding``: where the weight part is padding, None where none is)."""
 
     columns: torch.Tensor
     rows: torch.Tensor
@@ -259,7 +260,7 @@ def _rows(joined: Joined, numbers: torch.Tensor, *names: str) -> list[torch.Tens
 
 def _layer_delta(joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, shape: tuple) -> LayerDelta:
     """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host)."""
-    counts = [*joined.counts.get("weight", []), 0]  # the last: none
+    counts = [*joined.counts.get("weight", [0] * joined.grafts), 0]  # the last: none
     width = joined.tables["weight"].shape[1]
     columns, rows, weight, bias_rows, bias = _rows(joined, numbers, "columns", "rows", "weight", "bias_rows", "bias")
     padded = any(counts[number] < width for number in graft)
@@ -326,8 +327,8 @@ class LayerNormColumns:
     other features are the kernel's output, bit for bit the exact path's; the recomputed ones differ from it by the
     arrangement of the arithmetic only: at most ``4 u ((|x| + |mean|) rstd |weight| + |bias|) + u |y|`` (``u`` the unit
     roundoff of fp32). Float32 and float64 inputs only: the kernel returns ``mean`` and ``rstd`` in the input's dtype,
-    too coarse below fp32, so other inputs take the exact path, as do calls autograd records (no gradient flows
-    through ``mean`` and ``rstd``)."""
+    too coarse below fp32, so other inputs take the exact path. Written in place: called without autograd only
+    (``mixed_batch.layer_forward``; no gradient would flow through ``mean`` and ``rstd``)."""
 
     columns: torch.Tensor
     weight: torch.Tensor
@@ -337,7 +338,7 @@ class LayerNormColumns:
 
     def forward(self, layer: nn.Module, x: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
         base = layer.base_layer
-        if x.dtype not in (torch.float32, torch.float64) or _records_autograd(x, base):
+        if x.dtype not in (torch.float32, torch.float64):
             return exact()
         out, mean, rstd = torch.native_layer_norm(x, base.normalized_shape, base.weight, base.bias, base.eps)
         batch_size = x.shape[0]
@@ -350,12 +351,6 @@ class LayerNormColumns:
         return out3.scatter_(2, columns, values).view_as(out)
 
 
-def _records_autograd(x: torch.Tensor, layer: nn.Module) -> bool:
-    """Whether autograd records a call of ``layer`` on ``x``: the kernel's ``mean`` and ``rstd`` carry no gradient, so
-    features recomputed from them would get a wrong one."""
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
-
-
 def _layer_norm_columns(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor):
     base = layer.base_layer
     columns = joined.tables["columns"]
@@ -364,7 +359,8 @@ def _layer_norm_columns(layer: nn.Module, joined: Joined, graft: tuple[int, ...]
         bias = torch.zeros_like(weight)
     else:
         bias = _copies(base.bias, joined, "bias").gather(1, columns).index_select(0, numbers)
-    empty = numbers == joined.grafts if joined.grafts in graft else None  # the examples without a graft here
+    entries = [sum(counts[number] for counts in joined.counts.values()) for number in range(joined.grafts)] + [0]
+    empty = _rows(joined, numbers, "empty")[0] if any(entries[n] == 0 for n in graft) else None  # rows of padding only
     return LayerNormColumns(columns.index_select(0, numbers), weight, bias, empty, base.normalized_shape[0])
 
 
