@@ -43,7 +43,8 @@ base call per group. Set from RoBERTa-base batches of 32 x 128 with 8 grafts, wh
 
 Values = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """One graft's values on a layer, per base tensor name: (flat indices, base values there when built, values: the
-fp32 delta for a linear layer, the grafted values in the tensor's dtype for a vector layer)."""
+delta for a linear layer, in fp32 or the tensor's dtype where wider; the grafted values in the tensor's dtype for a
+vector layer)."""
 
 
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -95,7 +96,8 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
                 return None
         original = tensor.data.take(entries[0])
         grafted = graft_entries(original, entries, first, scale)
-        value = grafted.float() - original.float() if kind[0] == "linear" else grafted
+        work = torch.promote_types(tensor.dtype, torch.float32)  # float64 stays float64
+        value = grafted.to(work) - original.to(work) if kind[0] == "linear" else grafted
         at = entries[0].to(torch.int64)
         if kind[0] == "linear" and attr == "weight":
             order = _along_wider_side(at, kind[1])
@@ -242,7 +244,8 @@ class LayerDelta:
         out3 = out.view(batch_size, -1, out.shape[-1])
         tokens = x3.shape[1]
         if self.weight.numel():
-            values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1)).float() * self.weight[:, None]
+            values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1))
+            values = values.to(self.weight.dtype) * self.weight[:, None]
             if self.padding is not None:  # x * 0 is not 0 where x is infinite
                 values.masked_fill_(self.padding[:, None], 0.0)
             out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values.to(out.dtype))
