@@ -131,6 +131,14 @@ class Joined:
     tables: dict[str, torch.Tensor]
     grafts: int
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.at.values())).device
+
+    def lengths(self, *attrs: str) -> list[int]:
+        """Per table row (each graft, then none), its number of entries in the base tensors ``attrs``."""
+        return [sum(self.counts[a][n] for a in attrs if a in self.counts) for n in range(self.grafts)] + [0]
+
 
 def _joined(grafts: list[Values], kind: tuple) -> Joined:
     columns = {}
@@ -263,7 +271,7 @@ def _rows(joined: Joined, numbers: torch.Tensor, *names: str) -> list[torch.Tens
 
 def _layer_delta(joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, shape: tuple) -> LayerDelta:
     """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host)."""
-    counts = [*joined.counts.get("weight", [0] * joined.grafts), 0]  # the last: none
+    counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
     columns, rows, weight, bias_rows, bias = _rows(joined, numbers, "columns", "rows", "weight", "bias_rows", "bias")
     padded = any(counts[number] < width for number in graft)
@@ -362,7 +370,7 @@ def _layer_norm_columns(layer: nn.Module, joined: Joined, graft: tuple[int, ...]
         bias = torch.zeros_like(weight)
     else:
         bias = _copies(base.bias, joined, "bias").gather(1, columns).index_select(0, numbers)
-    entries = [sum(counts[number] for counts in joined.counts.values()) for number in range(joined.grafts)] + [0]
+    entries = joined.lengths(*joined.counts)
     empty = _rows(joined, numbers, "empty")[0] if any(entries[n] == 0 for n in graft) else None  # rows of padding only
     return LayerNormColumns(columns.index_select(0, numbers), weight, bias, empty, base.normalized_shape[0])
 
@@ -384,13 +392,13 @@ def prepare(
             graft = tuple(position.get(name, len(holders)) for name in names)
             found.append((number, layer, holders, kind, joined, graft))
     changed = _changed_layers([(layer, joined) for _, layer, _, _, joined, _ in found])
-    numbers = _on_devices({(graft, next(iter(joined.at.values())).device) for *_, joined, graft in found})
+    numbers = _on_devices({(graft, joined.device) for *_, joined, graft in found})
     for (number, layer, holders, kind, joined, graft), again in zip(found, changed, strict=True):
         if again:  # rare: built again against the base as it is now
             joined = _joined_for(layer, holders, kind, rebuild=True)
             if joined is None:
                 continue
-        on_device = numbers[graft, next(iter(joined.at.values())).device]
+        on_device = numbers[graft, joined.device]
         if kind[0] == "linear":
             results[number] = _layer_delta(joined, graft, on_device, kind[1])
         elif kind[0] == "layer_norm":
