@@ -185,6 +185,29 @@ def test_graft_values_keep_fp32_through_a_cast_and_the_graft_survives_save_and_l
     assert_theta_ft_at(model.to(torch.float32), region, finetuned)  # cast back
 
 
+@pytest.mark.parametrize("arch", ["roberta_mlm", "gpt2"])
+@pytest.mark.parametrize("first", ["model", "lm_head"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_tied_lm_head_cast_before_its_first_forward_keeps_its_graft(arch, first, dtype):
+    """A tied LM head reads its embedding's weight, whose entries the embedding's layer stores. Whichever module the
+    cast reaches first casts that tensor for both: the model (the embedding first; a RoBERTa head then has only its
+    bias left to cast) or the head alone. Each layer's base check and exact entries are readied before its tensors
+    change, so the cast model gives the cast of the grafted model; it raised a false "different pre-trained model"
+    error."""
+    pre, finetuned, task_type = make_pair(arch)
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
+    model.eval()
+    region = model.get_region()
+    head = model.get_base_model().get_output_embeddings()
+    assert head.weight is model.get_base_model().get_input_embeddings().weight
+    if first == "lm_head":
+        head.to(dtype)
+    model.to(dtype)
+    expected = grafted_by_hand(pre, finetuned, region, ()).to(dtype)
+    assert torch.equal(logits(model), logits(expected))
+    assert_theta_ft_at(model.to(torch.float32), region, finetuned)  # cast back
+
+
 def test_a_graft_made_on_a_bf16_base_cast_to_fp32_gives_its_theta_ft():
     """Its fp32 deltas were chosen to round to theta_ft in bf16; on the fp32 cast of the same base they would give
     theta_pre + delta unrounded: the cast stores those entries exactly, and the model gives theta_ft bit for bit."""

@@ -433,20 +433,17 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...). The graft tensors (:data:`GRAFT_TENSORS`)
         follow ``fn`` to its device but keep their dtype, as peft keeps some adapter weights in fp32: the values stay
         the fp32 deltas that exactness and the saved format need, whatever the base layer is cast to. A packed adapter
-        that ``fn`` would change (another device or dtype) is unpacked first. Before the base layer is cast to another
-        dtype, the base check still due runs (the recorded checksum is of theta_pre in the dtype the graft was made
-        on), and each hard region stores exactly what it would otherwise no longer give (:meth:`_keep_exact`)."""
+        that ``fn`` would change (another device or dtype) is unpacked first. Before a tensor whose entries a layer
+        stores is cast to another dtype, that layer's base check still due runs (the recorded checksum is of theta_pre
+        in the dtype the graft was made on), and each hard region stores exactly what it would otherwise no longer give
+        (:meth:`_keep_exact`): this layer's, and those of the layers storing its tied tensors."""
         for adapter_name, store in list(self.packed.items()):
             if _changed_by(fn, store):
                 self.unpack(adapter_name)
-        if _casts_dtype(fn, self.base_layer):
-            for adapter_name in list(self.graft_values):
-                indices = self.graft_indices[adapter_name]
-                loaded = not (indices.numel() and int(indices.min()) < 0)  # see update_layer
-                if loaded and not self.is_learning(adapter_name):
-                    self._check_base_before_cast(adapter_name)
-                    with torch.no_grad():
-                        self._keep_exact(adapter_name, fn)
+        # A tensor tied to another layer's (a tied LM head's weight) is cast by whichever module ``fn`` reaches first:
+        # the layer storing its entries gets ready here too, before its tensors change.
+        for layer in {id(layer): layer for layer, _ in [(self, None), *self.tied_sources.values()]}.values():
+            layer._prepare_cast(fn)
         graft = {id(tensor) for name in GRAFT_TENSORS for tensor in getattr(self, name).values()}
 
         def keep_graft_dtype(tensor: torch.Tensor) -> torch.Tensor:
@@ -454,6 +451,19 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return tensor.to(out.device) if id(tensor) in graft and out.dtype != tensor.dtype else out
 
         return super()._apply(keep_graft_dtype, recurse)
+
+    def _prepare_cast(self, fn: Any) -> None:
+        """Before ``fn`` casts a tensor this layer stores entries of to another dtype: the base check still due, and
+        :meth:`_keep_exact`, for each loaded hard region (see :meth:`_apply`)."""
+        if not _casts_dtype(fn, [getattr(self.base_layer, attr) for attr in self.stored_attrs]):
+            return
+        for adapter_name in list(self.graft_values):
+            indices = self.graft_indices[adapter_name]
+            loaded = not (indices.numel() and int(indices.min()) < 0)  # see update_layer
+            if loaded and not self.is_learning(adapter_name):
+                self._check_base_before_cast(adapter_name)
+                with torch.no_grad():
+                    self._keep_exact(adapter_name, fn)
 
     def _check_base_before_cast(self, adapter_name: str) -> None:
         """The base check of ``adapter_name`` if still due (a wrong base still raises, at first use)."""
@@ -894,14 +904,15 @@ def _changed_by(fn: Any, store: PackedStore) -> bool:
     return False
 
 
-def _casts_dtype(fn: Any, module: nn.Module) -> bool:
-    """Whether ``fn`` (of ``nn.Module._apply``) casts the floating-point parameters of ``module`` to another dtype
-    (probed on an empty tensor of their dtype)."""
-    param = next((p for p in module.parameters() if p.is_floating_point() and not is_sharded(p)), None)
-    if param is None:
-        return False
-    probe = torch.empty(0, dtype=param.dtype, device=param.device)
-    return fn(probe).dtype != param.dtype
+def _casts_dtype(fn: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``fn`` (of ``nn.Module._apply``) casts any of the floating-point ``tensors`` to another dtype (probed on
+    an empty tensor of each one's dtype). Each is probed: a tied tensor may have been cast already, the others not."""
+    for tensor in tensors:
+        if tensor.is_floating_point() and not is_sharded(tensor):
+            probe = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            if fn(probe).dtype != tensor.dtype:
+                return True
+    return False
 
 
 PACKED_STATE = threading.local()
