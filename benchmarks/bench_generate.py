@@ -1,12 +1,15 @@
 """Causal serving with mixed grafts: ``generate`` on a SmolLM2-135M-sized model (a seeded random ``LlamaForCausalLM``
 with SmolLM2-135M's configuration: 30 layers, hidden 576, tied embeddings, 134.5M parameters), 2 threads.
 
-8 prompts of 64 tokens, each asking for its own graft (8 grafts of 0.01% of every tensor); greedy decoding. Prefill is
-a ``generate`` of one new token; the per-token decode cost is ``(generate of 1 + N tokens - generate of 1) / N``, both
-timed back to back in each round for the base and each variant, whose ratios to the base's in the same round give the
-median and quartiles (``bench_mixed_batch.ratios``). Variants: the grafts' mixed batch (``adapter_names``) in the
-exact mode and in the ``"sparse_delta"`` mode (``model.set_mixed_batch_mode``), one graft for the whole batch, and
-peft LoRA (r = 8 on q_proj and v_proj, 8 adapters) in a mixed batch.
+8 prompts of 64 tokens, each asking for its own graft (8 grafts of 0.01% of every tensor); greedy decoding. Each round
+times one ``generate`` of ``1 + N`` tokens per variant, the variants in a rotated order (each round starts one further
+on), with a clock that ``generate`` calls after every token it produces (:class:`TokenClock`, a stopping criterion
+that never stops): prefill is the time to the first token, the per-token decode cost the median of the N steps after
+it, so that a slow step (another process, the allocator) moves it less than it moved a difference of two whole calls.
+Ratios to the base's in the same round give the median and quartiles (``bench_mixed_batch.ratios``). Variants: the
+grafts' mixed batch (``adapter_names``) in the exact mode and in the ``"sparse_delta"`` mode
+(``model.set_mixed_batch_mode``), one graft for the whole batch, and peft LoRA (r = 8 on q_proj and v_proj, 8
+adapters) in a mixed batch.
 
 Usage: ``python benchmarks/bench_generate.py [--repeats 5] [--new_tokens 16] [--out FILE]`` (appends one JSON line)
 """
@@ -16,15 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mixed_batch import load_average, one_time, random_region, ratios
+from bench_mixed_batch import load_average, random_region, ratios
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig
@@ -42,6 +47,26 @@ SMOLLM2_135M = {
     "tie_word_embeddings": True,
 }
 PROMPTS, PROMPT_LENGTH, GRAFTS = 8, 64, 8
+
+
+class TokenClock(StoppingCriteria):
+    """A stopping criterion that never stops: the wall time at its creation and each time ``generate`` has produced a
+    token (it asks its stopping criteria after every step)."""
+
+    def __init__(self) -> None:
+        self.times = [time.perf_counter()]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def prefill(self) -> float:
+        """Seconds to the first token."""
+        return self.times[1] - self.times[0]
+
+    def decode_step(self) -> float:
+        """The median seconds of the steps after the first token."""
+        return statistics.median(b - a for a, b in zip(self.times[1:-1], self.times[2:], strict=True))
 
 
 def models() -> tuple[LlamaForCausalLM, object, object]:
@@ -90,12 +115,18 @@ def main() -> None:
     names = [f"g{i % GRAFTS}" for i in range(PROMPTS)]
 
     def generate(model, new_tokens: int, mode: str = "exact", **kwargs):
-        def run():
+        def run(clock: TokenClock | None = None):
             if model is grafts:
                 grafts.set_mixed_batch_mode(mode)
+            criteria = StoppingCriteriaList([clock] if clock is not None else [])
             with torch.inference_mode():
                 return model.generate(
-                    **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs
+                    **inputs,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    stopping_criteria=criteria,
+                    **kwargs,
                 )
 
         return run
@@ -103,20 +134,22 @@ def main() -> None:
     result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": PROMPTS,
               "prompt_length": PROMPT_LENGTH, "new_tokens": args.new_tokens, "load_before": load_before}  # fmt: skip
     calls = {
-        "base": lambda n: generate(base, n),
-        "graft": lambda n: generate(grafts, n, adapter_names=names),
-        "graft_sparse_delta": lambda n: generate(grafts, n, "sparse_delta", adapter_names=names),
-        "graft_single": lambda n: generate(grafts, n),
-        "lora": lambda n: generate(lora, n, adapter_names=names),
+        "base": generate(base, 1 + args.new_tokens),
+        "graft": generate(grafts, 1 + args.new_tokens, adapter_names=names),
+        "graft_sparse_delta": generate(grafts, 1 + args.new_tokens, "sparse_delta", adapter_names=names),
+        "graft_single": generate(grafts, 1 + args.new_tokens),
+        "lora": generate(lora, 1 + args.new_tokens, adapter_names=names),
     }
     prefill = {name: [] for name in calls}
     decode = {name: [] for name in calls}
+    order = list(calls)
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for name, call in calls.items():  # per round and variant: prefill, then prefill + N tokens
-            first, total = one_time(call(1)), one_time(call(1 + args.new_tokens))
+        for name in order[repeat % len(order) :] + order[: repeat % len(order)]:
+            clock = TokenClock()
+            calls[name](clock)
             if repeat:
-                prefill[name].append(first)
-                decode[name].append((total - first) / args.new_tokens)
+                prefill[name].append(clock.prefill())
+                decode[name].append(clock.decode_step())
     exact, fast = (generate(grafts, args.new_tokens, mode, adapter_names=names)() for mode in ("exact", "sparse_delta"))
     result["sparse_delta_same_tokens"] = bool(torch.equal(exact, fast))
     result.update(ratios("prefill", prefill))
