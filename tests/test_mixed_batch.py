@@ -661,6 +661,36 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     assert {id(plan) for plan in built[after_scale:]} <= {id(plan) for plan in layer._in_place_plans.values()}
 
 
+def test_sparse_delta_mode_frees_a_deleted_grafts_joined_values(monkeypatch):
+    """Each layer keeps the last batch's joined values (every graft's deltas there, copied); deleting a graft drops
+    them at once, so its values are freed then, not at the layer's next sparse-delta batch (which may never come)."""
+    import gc
+    import weakref
+
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    _, model = grafts("bert_cls")
+    model.set_mixed_batch_mode("sparse_delta")
+    with torch.no_grad():
+        model(**batch(), adapter_names=NAMES)
+    joined = [
+        weakref.ref(layer.__dict__[sparse_delta._JOINED][1])
+        for layer in model.base_model.graft_layers().values()
+        if layer.__dict__.get(sparse_delta._JOINED, (None, None))[1] is not None
+    ]
+    assert joined
+    model.delete_adapter("news")
+    gc.collect()
+    assert all(ref() is None for ref in joined)
+    with torch.no_grad():  # the remaining grafts still serve their examples
+        names = [name if name != "news" else "__base__" for name in NAMES]
+        fast = model(**batch(), adapter_names=names).logits
+        model.set_mixed_batch_mode("exact")
+        exact = model(**batch(), adapter_names=names).logits
+    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
+
+
 def _layer_outputs(model, names, inputs, mode: str) -> dict[str, torch.Tensor]:
     """Every graft layer's output in a mixed batch of ``names`` in ``mode``."""
     outputs = {}

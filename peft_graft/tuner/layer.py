@@ -32,6 +32,7 @@ from .in_place import (
 from .learning import RegionLearner
 from .mixed_batch import MixedBatch, layer_forward
 from .packed import PackedStore
+from .sparse_delta import forget_joined
 
 # Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
 # autograd.SparseLinearDelta and the in-place inference forward (GraftLayer.in_place_plan).
@@ -167,9 +168,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self._move_adapter_to_device_of_base_layer(adapter_name)
 
     def _forget(self, adapter_name: str) -> None:
-        """Drop the cached entries and in-place plans built from ``adapter_name``'s tensors."""
+        """Drop the cached entries, in-place plans and joined sparse deltas built from ``adapter_name``'s tensors."""
         self._entries_cache = {key: item for key, item in self._entries_cache.items() if key[0] != adapter_name}
         self._in_place_plans = {key: plan for key, plan in self._in_place_plans.items() if adapter_name not in key}
+        forget_joined(self)
 
     def base_records(self, adapter_name: str) -> tuple[list[float] | None, str | None, bool | None]:
         """``(fingerprint, checksum, verify_base)`` recorded of theta_pre for ``adapter_name`` (``None`` if absent)."""

@@ -446,3 +446,8 @@ def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool
 _JOINED = "_sparse_delta_joined"
 """The attribute of a graft layer holding the last batch's joined values, with the values they were joined from: one
 set per layer, reused while a batch brings the same grafts (a join is a copy of every graft's values there)."""
+
+
+def forget_joined(layer: nn.Module) -> None:
+    """Drop ``layer``'s joined values (when a graft's values there are dropped: they would keep them alive)."""
+    layer.__dict__.pop(_JOINED, None)
