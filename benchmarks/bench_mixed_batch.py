@@ -21,8 +21,9 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
   graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
 
 Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round; each
-round times the base then every variant back to back (``rounds``, ``paired_ratios``). Results
-are appended to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
+round times the base and every variant back to back, in an order rotated each round (``rounds``,
+``paired_ratios``). Results are appended to ``--out`` as JSON lines as each part finishes; a part already there is
+skipped (resumable).
 
 Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]
 [--cases 8:1e-4 32:1e-4] [--device cuda]`` (``--cases``: the scaling part's batches, ``grafts:fraction``;
@@ -174,16 +175,17 @@ def part_design(repeats: int) -> dict:
 
 
 def rounds(variants: dict, base, repeats: int) -> dict[str, list[float]]:
-    """``repeats`` rounds, each timing the base then every variant back to back (after one warm-up of each): per
+    """``repeats`` rounds, each timing the base and every variant back to back (after one warm-up of each), in an
+    order rotated by one each round, so that no variant always runs furthest from the base while the host drifts: per
     variant, its times and the base times of the same rounds."""
-    base()
-    for variant in variants.values():
-        variant()
-    times = {name: [] for name in ("base", *variants)}
-    for _ in range(repeats):
-        times["base"].append(one_time(base))
-        for name, variant in variants.items():
-            times[name].append(one_time(variant))
+    calls = {"base": base, **variants}
+    for call in calls.values():
+        call()
+    order = list(calls)
+    times = {name: [] for name in order}
+    for repeat in range(repeats):
+        for name in order[repeat % len(order) :] + order[: repeat % len(order)]:
+            times[name].append(one_time(calls[name]))
     return times
 
 
