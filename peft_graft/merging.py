@@ -418,19 +418,22 @@ def _consensus(taus: list[torch.Tensor], k: int, tall_lambda: float) -> list[tor
 
 
 def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> None:
-    """Refuse a merge whose merged parameters are not finite, or so large that the sum of their squares overflows
-    float32 (a norm or dot product of them would: the merged model's outputs would be inf or NaN)."""
+    """Refuse a merge whose merged parameters are not finite in the model's dtype (an fp16 model holds up to 65,504),
+    or so large that the sum of their squares overflows float32 (a norm or dot product of them would: the merged
+    model's outputs would be inf or NaN)."""
     limit = torch.finfo(torch.float32).max
     for module, (indices, values, _) in merged.items():
         layer = tuner.model.get_submodule(module)
         theta = layer.base_values(indices).double() + values.double()
         for attr, _, position in layer.space.split(indices):
-            part = theta[position]
-            if not torch.isfinite(part.float()).all() or part.square().sum() > limit:
+            part, dtype = theta[position], getattr(layer.base_layer, attr).dtype
+            dtype = dtype if torch.finfo(dtype).max < limit else torch.float32  # the narrower of the two
+            if not torch.isfinite(part.to(dtype)).all() or part.square().sum() > limit:
                 fix = "use smaller weights (peft's default is 1.0)" if options["weights"] else "a graft is corrupt"
                 raise ValueError(
                     f"rule {rule!r} with weights {options['weights']} gives merged values of {module}.{attr} up to "
-                    f"{part.abs().max().item():.3g}: the merged model's outputs would be inf or NaN; {fix}."
+                    f"{part.abs().max().item():.3g} (checked in {dtype}, which holds up to "
+                    f"{torch.finfo(dtype).max:.3g}): the merged model's outputs would be inf or NaN; {fix}."
                 )
 
 

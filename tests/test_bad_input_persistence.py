@@ -307,6 +307,19 @@ def test_heads_its_loader_would_refuse_are_not_saved(merge_base, merged_folder, 
     assert folder_bytes(folder.parent) == before
 
 
+def test_merge_weights_beyond_a_half_precision_base_are_refused(merge_base):
+    """Merged values finite in fp32 but beyond fp16's 65,504 would be inf in an fp16 model: refused as well, naming
+    the dtype, and nothing is added (they were accepted: the float32 check alone let them through)."""
+    model = two_tasks(merge_base.half())
+    before = sorted(model.state_dict())
+    with pytest.raises(
+        ValueError,
+        match=r"up to .* \(checked in torch.float16, which holds up to 6\.55e\+04\).*inf or NaN; use smaller",
+    ):
+        merge_grafts(model, ["x", "y"], "task_arithmetic", weights=1e8)
+    assert sorted(model.state_dict()) == before and "merged" not in model.peft_config
+
+
 @pytest.mark.parametrize(("rule", "extra"), [("task_arithmetic", {}), ("ties", {"density": 0.5})], ids=["ta", "ties"])
 def test_huge_finite_merge_weights_are_refused(merge_base, rule, extra):
     model = two_tasks(merge_base)
