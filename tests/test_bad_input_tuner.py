@@ -188,16 +188,21 @@ def test_graft_values_keep_fp32_through_a_cast_and_the_graft_survives_save_and_l
 @pytest.mark.parametrize("arch", ["roberta_mlm", "gpt2"])
 @pytest.mark.parametrize("first", ["model", "lm_head"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_a_tied_lm_head_cast_before_its_first_forward_keeps_its_graft(arch, first, dtype):
+@pytest.mark.parametrize("packed", [False, True], ids=["made", "loaded"])
+def test_a_tied_lm_head_cast_before_its_first_forward_keeps_its_graft(arch, first, dtype, packed, tmp_path):
     """A tied LM head reads its embedding's weight, whose entries the embedding's layer stores. Whichever module the
     cast reaches first casts that tensor for both: the model (the embedding first; a RoBERTa head then has only its
     bias left to cast) or the head alone. Each layer's base check and exact entries are readied before its tensors
-    change, so the cast model gives the cast of the grafted model; it raised a false "different pre-trained model"
-    error."""
+    change, a graft loaded for inference (packed) unpacked first, so the cast model gives the cast of the grafted
+    model; it raised a false "different pre-trained model" error."""
     pre, finetuned, task_type = make_pair(arch)
     model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
-    model.eval()
     region = model.get_region()
+    if packed:
+        model.save_pretrained(tmp_path / "graft")
+        model = PeftModel.from_pretrained(clone_model(pre), tmp_path / "graft")
+        assert any(layer.packed for layer in model.base_model.graft_layers().values())
+    model.eval()
     head = model.get_base_model().get_output_embeddings()
     assert head.weight is model.get_base_model().get_input_embeddings().weight
     if first == "lm_head":

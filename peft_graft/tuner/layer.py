@@ -439,13 +439,10 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         stores is cast to another dtype, that layer's base check still due runs (the recorded checksum is of theta_pre
         in the dtype the graft was made on), and each hard region stores exactly what it would otherwise no longer give
         (:meth:`_keep_exact`): this layer's, and those of the layers storing its tied tensors."""
-        for adapter_name, store in list(self.packed.items()):
-            if _changed_by(fn, store):
-                self.unpack(adapter_name)
         # A tensor tied to another layer's (a tied LM head's weight) is cast by whichever module ``fn`` reaches first:
         # the layer storing its entries gets ready here too, before its tensors change.
         for layer in {id(layer): layer for layer, _ in [(self, None), *self.tied_sources.values()]}.values():
-            layer._prepare_cast(fn)
+            layer._prepare_apply(fn)
         graft = {id(tensor) for name in GRAFT_TENSORS for tensor in getattr(self, name).values()}
 
         def keep_graft_dtype(tensor: torch.Tensor) -> torch.Tensor:
@@ -454,9 +451,13 @@ class GraftLayer(nn.Module, BaseTunerLayer):
 
         return super()._apply(keep_graft_dtype, recurse)
 
-    def _prepare_cast(self, fn: Any) -> None:
-        """Before ``fn`` casts a tensor this layer stores entries of to another dtype: the base check still due, and
-        :meth:`_keep_exact`, for each loaded hard region (see :meth:`_apply`)."""
+    def _prepare_apply(self, fn: Any) -> None:
+        """Before ``fn`` changes this layer's tensors (see :meth:`_apply`): the packed adapters it would change are
+        unpacked; and where it casts a tensor this layer stores entries of to another dtype, each loaded hard region
+        gets the base check still due and :meth:`_keep_exact`."""
+        for adapter_name, store in list(self.packed.items()):
+            if _changed_by(fn, store):
+                self.unpack(adapter_name)
         if not _casts_dtype(fn, [getattr(self.base_layer, attr) for attr in self.stored_attrs]):
             return
         for adapter_name in list(self.graft_values):
