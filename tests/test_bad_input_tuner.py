@@ -213,6 +213,27 @@ def test_a_tied_lm_head_cast_before_its_first_forward_keeps_its_graft(arch, firs
     assert_theta_ft_at(model.to(torch.float32), region, finetuned)  # cast back
 
 
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_an_adapter_merged_before_a_cast_unmerges_to_the_cast_theta_pre(cast):
+    """Unmerging after a cast writes back theta_pre in the new dtype, bit for bit the cast of the pre-trained model
+    (the saved originals stayed fp32: a RuntimeError from index_put), and the model applies the graft again, its fp32
+    delta on that theta_pre (docs/graft.md)."""
+    pre, finetuned, _ = make_pair("bert_cls")
+    config = GraftConfig(finetuned=finetuned, sparsity=0.05, modules_to_save=["classifier"])
+    model = get_peft_model(clone_model(pre), config).eval()
+    apply_cast, _ = CASTS[cast]
+    model.merge_adapter()
+    apply_cast(model)
+    model.unmerge_adapter()
+    assert not any(layer.merged for layer in model.base_model.graft_layers().values())
+    grafted = logits(apply_cast(grafted_by_hand(pre, finetuned, model.get_region(), ())))
+    torch.testing.assert_close(logits(model), grafted, rtol=0.05, atol=0.05)
+    expected = apply_cast(clone_model(pre)).state_dict()
+    unloaded = model.unload().state_dict()  # peft's unload keeps the head stored whole (modules_to_save)
+    assert unloaded.keys() == expected.keys()
+    assert all(torch.equal(unloaded[name], expected[name]) for name in expected if not name.startswith("classifier."))
+
+
 def test_a_graft_made_on_a_bf16_base_cast_to_fp32_gives_its_theta_ft():
     """Its fp32 deltas were chosen to round to theta_ft in bf16; on the fp32 cast of the same base they would give
     theta_pre + delta unrounded: the cast stores those entries exactly, and the model gives theta_ft bit for bit."""

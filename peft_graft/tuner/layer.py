@@ -875,13 +875,15 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             self.merged_adapters.append(adapter_name)
 
     def unmerge(self) -> None:
-        """Restore the base tensors bit for bit, most recently merged adapter first."""
+        """Restore the base tensors bit for bit, most recently merged adapter first (as the base was cast or moved
+        since the merge: its saved originals are taken to the tensor's dtype and device)."""
         while self.merged_adapters:
             adapter_name = self.merged_adapters.pop()
             for attr, original in zip(self.stored_attrs, self._merge_backup.pop(adapter_name), strict=True):
                 if original is not None:
                     indices = self.sparse_entries(adapter_name, attr)[0]
-                    getattr(self.base_layer, attr).data.view(-1)[indices] = original
+                    tensor = getattr(self.base_layer, attr).data
+                    tensor.view(-1)[indices.to(tensor.device)] = original.to(tensor.device, tensor.dtype)
 
     def delete_adapter(self, adapter_name: str) -> None:
         self.packed.pop(adapter_name, None)  # the store is freed with the last layer reading it
