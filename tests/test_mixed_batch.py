@@ -661,6 +661,38 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     assert {id(plan) for plan in built[after_scale:]} <= {id(plan) for plan in layer._in_place_plans.values()}
 
 
+def test_sparse_delta_mode_builds_once_after_a_nan_is_written_under_an_entry(monkeypatch):
+    """A base value under an entry changed to NaN (through ``.data``) makes the layer's values be built again once;
+    later batches reuse them (a NaN compared unequal to itself, and every batch built them again)."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    rebuilt = []
+    original = sparse_delta._joined_for
+
+    def joined_for(layer, holders, kind, rebuild=False):
+        rebuilt.extend([layer] if rebuild else [])
+        return original(layer, holders, kind, rebuild)
+
+    monkeypatch.setattr(sparse_delta, "_joined_for", joined_for)
+    _, model = grafts("bert_cls")
+    model.set_mixed_batch_mode("sparse_delta")
+    with torch.no_grad():
+        model(**batch(), adapter_names=NAMES)
+        layer = next(
+            layer
+            for layer in model.base_model.graft_layers().values()
+            if sparse_delta.linear_shape(layer.base_layer) is not None and layer.in_place_plan(("sst",)) is not None
+        )
+        plan = layer.in_place_plan(("sst",))
+    parameters, attr, entries, _, _ = next(write for write in plan.writes if write[1] == "weight")
+    parameters[attr].data.view(-1)[entries[0][0]] = float("nan")
+    for expected in ([layer], [layer], [layer]):  # built again on the first batch after the write only
+        with torch.no_grad():
+            model(**batch(), adapter_names=NAMES)
+        assert rebuilt == expected
+
+
 def test_sparse_delta_mode_frees_a_deleted_grafts_joined_values(monkeypatch):
     """Each layer keeps the last batch's joined values (every graft's deltas there, copied); deleting a graft drops
     them at once, so its values are freed then, not at the layer's next sparse-delta batch (which may never come)."""
