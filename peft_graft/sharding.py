@@ -17,6 +17,12 @@ import torch.distributed as dist
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bit patterns, as a view of the signed integer type of its element size (compared this way, a NaN
+    equals itself; summed, the patterns of entries held by one process each add up to theirs)."""
+    return tensor.view(_INT_VIEW[tensor.element_size()])
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (a parameter, or its gradient, sharded by FSDP2)."""
     return type(tensor).__name__ == "DTensor" or type(getattr(tensor, "data", None)).__name__ == "DTensor"
@@ -52,7 +58,7 @@ def read_entries(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     indices = indices.to(flat.device, torch.int64)
     held = (indices >= start) & (indices < start + flat.numel())
     bits = torch.zeros(indices.numel(), dtype=_INT_VIEW[flat.element_size()], device=flat.device)
-    bits[held] = flat[indices[held] - start].view(bits.dtype)
+    bits[held] = as_bits(flat[indices[held] - start])
     summed = bits.to(torch.int64)
     dist.all_reduce(summed, group=tensor.device_mesh.get_group())
     return summed.to(bits.dtype).view(flat.dtype)

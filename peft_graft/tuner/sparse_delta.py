@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
+from ..sharding import as_bits
 from .entries import graft_entries
 
 SPARSE_DELTA_MAX_WORK = 0.02
@@ -212,11 +213,13 @@ def _padding(lengths: list[int], table: torch.Tensor) -> torch.Tensor:
 def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
     """Per ``(layer, joined)``, whether a base value under an entry is no longer the one the values were taken against
     (they move with it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
-    counter, so the values are compared, bit for bit: one gather per tensor and batch). The results are read back with
-    one transfer per device (on a GPU each read waits for its queue), then per layer only where some differ."""
+    counter, so the values are compared, bit for bit: a NaN under an entry equals itself, where compared as floats it
+    differed on every batch and every batch built the layer's values again; one gather per tensor and batch). The
+    results are read back with one transfer per device (on a GPU each read waits for its queue), then per layer only
+    where some differ."""
     differs = [
         [
-            _bits(layer.base_layer._parameters[attr].data.take(at)) != _bits(joined.original[attr])
+            as_bits(layer.base_layer._parameters[attr].data.take(at)) != as_bits(joined.original[attr])
             for attr, at in joined.at.items()
         ]
         for layer, joined in layers
@@ -228,12 +231,6 @@ def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
     if not any(torch.cat(flags).any().item() for flags in by_device.values()):
         return [False] * len(layers)
     return [bool(torch.cat(flags).any()) if flags else False for flags in differs]
-
-
-def _bits(values: torch.Tensor) -> torch.Tensor:
-    """The bit patterns of ``values``: compared this way, a NaN under an entry equals itself (compared as floats it
-    differed on every batch, and every batch built the layer's values again)."""
-    return values.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()])
 
 
 @dataclass
