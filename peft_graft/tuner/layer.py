@@ -441,7 +441,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         (:meth:`_keep_exact`): this layer's, and those of the layers storing its tied tensors."""
         # A tensor tied to another layer's (a tied LM head's weight) is cast by whichever module ``fn`` reaches first:
         # the layer storing its entries gets ready here too, before its tensors change.
-        for layer in {id(layer): layer for layer, _ in [(self, None), *self.tied_sources.values()]}.values():
+        layers = {id(self): self} | {id(source): source for source, _ in self.tied_sources.values()}
+        for layer in layers.values():
             layer._prepare_apply(fn)
         graft = {id(tensor) for name in GRAFT_TENSORS for tensor in getattr(self, name).values()}
 
