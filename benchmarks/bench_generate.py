@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mixed_batch import load_average, random_region, ratios
+from bench_mixed_batch import load_average, random_region, ratios, rotated
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig
@@ -142,9 +142,8 @@ def main() -> None:
     }
     prefill = {name: [] for name in calls}
     decode = {name: [] for name in calls}
-    order = list(calls)
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for name in order[repeat % len(order) :] + order[: repeat % len(order)]:
+        for name in rotated(list(calls), repeat):
             clock = TokenClock()
             calls[name](clock)
             if repeat:

@@ -181,12 +181,17 @@ def rounds(variants: dict, base, repeats: int) -> dict[str, list[float]]:
     calls = {"base": base, **variants}
     for call in calls.values():
         call()
-    order = list(calls)
-    times = {name: [] for name in order}
+    times = {name: [] for name in calls}
     for repeat in range(repeats):
-        for name in order[repeat % len(order) :] + order[: repeat % len(order)]:
+        for name in rotated(list(calls), repeat):
             times[name].append(one_time(calls[name]))
     return times
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    """``names`` rotated left by ``shift``: the order of a round's calls, one further on each round."""
+    shift %= len(names)
+    return names[shift:] + names[:shift]
 
 
 def ratios(key: str, times: dict[str, list[float]]) -> dict:
