@@ -201,12 +201,12 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
         return alive, {n: p.grad.clone() for n, p in model.named_parameters() if "graft_learning" in n}
 
     taken = []
-    take = autograd.RECOMPUTED_SIGMOID.take
-    monkeypatch.setattr(autograd.RECOMPUTED_SIGMOID, "take", lambda scores: taken.append(take(scores)) or taken[-1])
+    take = autograd.RECOMPUTED_GAMMA.take
+    monkeypatch.setattr(autograd.RECOMPUTED_GAMMA, "take", lambda scores: taken.append(take(scores)) or taken[-1])
     alive, ours = run()
     assert made and alive == 0
     hits = sum(t is not None for t in taken)
-    assert hits >= len(taken) // 2 > 0  # most layers' backward reused the sigmoid of the recomputation
+    assert hits >= len(taken) // 2 > 0  # most layers' backward reused the gamma of the recomputation
     monkeypatch.setattr(graft_layer, "RECOMPUTE_SOFT_PARAMETERS", False)
     taken.clear()
     kept, reference = run()

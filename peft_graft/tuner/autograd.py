@@ -19,73 +19,85 @@ import torch
 class GraftedTensors(torch.autograd.Function):
     """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
 
-    Saves no dense temporary for backward (only references to S and delta, which exist anyway): ``sigmoid(S)`` is
-    taken from :class:`RecomputedSigmoid` there, or recomputed. One call per layer, so the gradient of the layer's flat
-    S is allocated once.
+    Saves no dense temporary for backward (only references to S and delta, which exist anyway). One S-sized tensor per
+    call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
+    :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
+    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not). Fresh tensors this size cost page faults
+    on CPU as large as the arithmetic: that is why each one is reused.
     """
 
     @staticmethod
     def forward(ctx, scores, movement, base, offsets, recomputing, *thetas):
         ctx.save_for_backward(scores, movement, base)
         ctx.offsets = offsets
-        sigmoid = torch.sigmoid(scores.detach())
-        on_base = sigmoid[base]
-        sigmoid[base] = 1.0 - on_base  # gamma, flipped on gamma_base (a few entries) and restored below
+        gamma = torch.sigmoid(scores.detach())
+        if base.numel():
+            gamma[base] = 1.0 - gamma[base]
+        # The fp32 outputs are views of one flat tensor, at the same offsets whether recomputing or not (the recipes
+        # of RecomputeSoftParameters rebuild a saved view by its storage offset): in place of gamma, which the forward
+        # no longer needs, or beside it when recomputing.
+        flat_out = torch.empty_like(gamma) if recomputing else gamma
         outputs = []
         for i, theta in enumerate(thetas):
             a, b = offsets[i], offsets[i + 1]
-            out = torch.addcmul(theta.detach().reshape(-1).float(), sigmoid[a:b], movement[a:b])
-            outputs.append(out.to(theta.dtype).view_as(theta))
-        if recomputing:  # the backward of this layer comes next: spare it a sigmoid pass
-            sigmoid[base] = on_base
-            RECOMPUTED_SIGMOID.put(scores, sigmoid)
+            flat = theta.detach().reshape(-1)
+            if flat.dtype == torch.float32:
+                out = torch.addcmul(flat, gamma[a:b], movement[a:b], out=flat_out[a:b])
+            else:
+                out = torch.addcmul(flat.float(), gamma[a:b], movement[a:b]).to(theta.dtype)
+            outputs.append(out.view_as(theta))
+        if recomputing:
+            RECOMPUTED_GAMMA.put(scores, gamma)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         scores, movement, base = ctx.saved_tensors
         offsets = ctx.offsets
-        grad = torch.empty_like(scores)
+        grad = RECOMPUTED_GAMMA.take(scores)  # overwritten by the gradient
+        if grad is None:
+            grad = torch.sigmoid(scores.detach())  # not flipped: gamma * (1 - gamma) is the same
         for i, g in enumerate(grads):
             a, b = offsets[i], offsets[i + 1]
+            part = grad[a:b]
             if g is None:
-                grad[a:b] = 0.0
-            else:
-                torch.mul(g.reshape(-1), movement[a:b], out=grad[a:b])
-        sigmoid = RECOMPUTED_SIGMOID.take(scores)
-        sigmoid = torch.sigmoid(scores.detach()) if sigmoid is None else sigmoid
-        torch.ops.aten.sigmoid_backward.grad_input(grad, sigmoid, grad_input=grad)  # in place: one S-sized tensor less
+                part.zero_()
+                continue
+            # d/dS of sigmoid(S) * delta, in place: g * gamma * (1 - gamma), then times delta
+            torch.ops.aten.sigmoid_backward.grad_input(g.reshape(-1).float(), part, grad_input=part)
+            part.mul_(movement[a:b])
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
         return (grad, None, None, None, None, *([None] * len(grads)))
 
 
-class RecomputedSigmoid:
-    """A slot for the ``sigmoid(S)`` of the layer whose soft parameters :class:`RecomputeSoftParameters` rebuilt last.
+class RecomputedGamma:
+    """A slot for the ``gamma`` of the layer whose soft parameters :class:`RecomputeSoftParameters` rebuilt last.
 
-    That layer's :class:`GraftedTensors` backward runs right after the op that unpacked them, and takes it instead of
-    computing the sigmoid again: one pass over S less per step. One slot only (at most one layer's S-sized tensor is
-    held), keyed by the S tensor and its version, so a slot taken by the wrong layer or after S changed is ignored.
+    That layer's :class:`GraftedTensors` backward runs right after the op that unpacked them, and writes the gradient
+    of S into it: no sigmoid pass and no S-sized allocation of its own. One slot only (at most one layer's S-sized
+    tensor is held), keyed by the S tensor and its version, so a slot taken by the wrong layer or after S changed is
+    ignored.
     """
 
     def __init__(self) -> None:
         self.scores: torch.Tensor | None = None
         self.version = -1
-        self.sigmoid: torch.Tensor | None = None
+        self.gamma: torch.Tensor | None = None
 
-    def put(self, scores: torch.Tensor, sigmoid: torch.Tensor) -> None:
-        self.scores, self.version, self.sigmoid = scores, scores._version, sigmoid
+    def put(self, scores: torch.Tensor, gamma: torch.Tensor) -> None:
+        self.scores, self.version, self.gamma = scores, scores._version, gamma
 
     def take(self, scores: torch.Tensor) -> torch.Tensor | None:
-        """The held sigmoid if it was computed from ``scores`` as they are now (and empty the slot), else ``None``."""
-        held, version, sigmoid = self.scores, self.version, self.sigmoid
-        self.scores, self.version, self.sigmoid = None, -1, None
+        """The held gamma if it was computed from ``scores`` as they are now (and empty the slot), else ``None``."""
+        held, version, gamma = self.scores, self.version, self.gamma
+        self.scores, self.version, self.gamma = None, -1, None
         if held is None or held.data_ptr() != scores.data_ptr() or scores._version != version:
             return None
-        return sigmoid
+        return gamma
 
 
-RECOMPUTED_SIGMOID = RecomputedSigmoid()
+RECOMPUTED_GAMMA = RecomputedGamma()
 
 
 class GraftedSearchSpace(torch.autograd.Function):

@@ -132,7 +132,7 @@ class RegionLearner(nn.Module):
         """``theta_pre + gamma(S) * delta`` for the stored tensors of ``base_layer``, differentiable in S.
 
         With a search space, only the tensors holding some of it are returned (the others are ``theta_pre``).
-        ``recomputing``: rebuilt in backward by ``RecomputeSoftParameters`` (dense only), whose sigmoid is kept for
+        ``recomputing``: rebuilt in backward by ``RecomputeSoftParameters`` (dense only), whose gamma is kept for
         this layer's backward.
         """
         scores, movement = self.scores, self._movement()
