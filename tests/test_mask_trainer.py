@@ -168,9 +168,10 @@ def _reference_grafted(scores, movement, base, offsets, recomputing, *thetas):
     return tuple((t.float() + values[offsets[i] : offsets[i + 1]].view_as(t)).to(t.dtype) for i, t in enumerate(thetas))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["roberta_cls", "roberta_mlm", "gpt2"])
-def test_score_gradient_matches_autograd_reference(arch, monkeypatch):
-    _, model = learning_graft(arch)
+def test_score_gradient_matches_autograd_reference(arch, dtype, monkeypatch):
+    _, model = learning_graft(arch, dtype=dtype)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():  # scores spread over sigmoid's range, so that both branches of Eq. 4 matter
         for layer in model.modules():

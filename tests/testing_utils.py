@@ -124,9 +124,12 @@ def cls_dataset(n: int = 16, length: int = 9, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
 
 
-def learning_graft(arch: str = "roberta_cls", **config):
-    """A tiny graft learning its region; dropout off, so that differently split batches give the same step."""
+def learning_graft(arch: str = "roberta_cls", dtype: torch.dtype | None = None, **config):
+    """A tiny graft learning its region (of the pair cast to ``dtype`` when given); dropout off, so that differently
+    split batches give the same step."""
     pre, finetuned, task_type = make_pair(arch)
+    if dtype is not None:
+        pre, finetuned = pre.to(dtype), finetuned.to(dtype)
     config = {"num_entries": 20, "learn_region": True, "task_type": task_type, **config}
     model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, **config))
     for module in model.modules():
