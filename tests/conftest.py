@@ -1,5 +1,5 @@
-"""pytest set-up: offline Hugging Face, quiet transformers, the graft method registered, the ``arch`` and
-``one_thread`` fixtures."""
+"""pytest set-up: offline Hugging Face, quiet transformers, the graft method registered, the ``arch``,
+``one_thread``, ``gpt2_pair`` and ``saved_gpt2`` fixtures."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is import
 
 import pytest
 import torch
-from testing_utils import ARCHITECTURES
+from peft import get_peft_model
+from testing_utils import ARCHITECTURES, clone_model, make_pair
 from transformers.utils import logging as hf_logging
 
-import peft_graft  # noqa: F401  (registers the graft method)
+from peft_graft import GraftConfig  # also registers the graft method
 
 hf_logging.set_verbosity_error()
 
@@ -30,3 +31,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def gpt2_pair():
+    """A tiny GPT-2, its fine-tuned copy and task type (``make_pair("gpt2")``), once per module."""
+    return make_pair("gpt2")
+
+
+@pytest.fixture
+def saved_gpt2(gpt2_pair, tmp_path):
+    """A graft of ``gpt2_pair`` (sparsity 0.02) saved with ``save_pretrained`` in ``tmp_path / "graft"``."""
+    pre, finetuned, task_type = gpt2_pair
+    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type))
+    model.save_pretrained(tmp_path / "graft")
+    return tmp_path / "graft"

@@ -15,25 +15,12 @@ import torch
 from peft import PeftModel, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import save_file
-from testing_utils import clone_model, finetune_like, input_ids, make_bert_cls, make_pair
+from testing_utils import clone_model, finetune_like, input_ids, make_bert_cls
 
 from peft_graft import GraftConfig, GraftLayer
 from peft_graft._checksum import state_checksum
 from peft_graft.merging import HEADS_FILE, MergedGraft, merge_grafts
 from peft_graft.parameter_layout import NO_ENTRIES
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return make_pair("gpt2")
-
-
-@pytest.fixture
-def saved(pair, tmp_path):
-    pre, finetuned, task_type = pair
-    model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type))
-    model.save_pretrained(tmp_path / "graft")
-    return tmp_path / "graft"
 
 
 def folder_bytes(folder) -> dict[str, bytes]:
@@ -66,23 +53,25 @@ def spoil_values(model, change) -> str:
     ],
     ids=["bf16", "fp16", "fp64", "nan"],
 )
-def test_a_save_the_loader_would_refuse_is_refused_and_the_folder_kept(pair, saved, change, match):
+def test_a_save_the_loader_would_refuse_is_refused_and_the_folder_kept(gpt2_pair, saved_gpt2, change, match):
     """Saved back into the folder it was loaded from: refused, the folder byte for byte as it was, still loadable."""
-    pre = pair[0]
-    before = folder_bytes(saved)
-    model = PeftModel.from_pretrained(clone_model(pre), saved)
+    pre = gpt2_pair[0]
+    before = folder_bytes(saved_gpt2)
+    model = PeftModel.from_pretrained(clone_model(pre), saved_gpt2)
     expected = model(input_ids()).logits
     module = spoil_values(model, change)
-    with pytest.raises(ValueError, match=rf"save_pretrained\('{saved}'\) refused: adapter 'default'.*{module}") as info:
-        model.save_pretrained(saved)
+    with pytest.raises(
+        ValueError, match=rf"save_pretrained\('{saved_gpt2}'\) refused: adapter 'default'.*{module}"
+    ) as info:
+        model.save_pretrained(saved_gpt2)
     assert "Nothing was written" in str(info.value)
-    assert folder_bytes(saved) == before
-    assert not [n for n in os.listdir(saved.parent) if n.startswith(".graft.") and "lock" not in n]
-    assert torch.equal(PeftModel.from_pretrained(clone_model(pre), saved)(input_ids()).logits, expected)
+    assert folder_bytes(saved_gpt2) == before
+    assert not [n for n in os.listdir(saved_gpt2.parent) if n.startswith(".graft.") and "lock" not in n]
+    assert torch.equal(PeftModel.from_pretrained(clone_model(pre), saved_gpt2)(input_ids()).logits, expected)
 
 
-def test_a_sub_folder_adapter_is_checked_too(pair, tmp_path):
-    pre, finetuned, task_type = pair
+def test_a_sub_folder_adapter_is_checked_too(gpt2_pair, tmp_path):
+    pre, finetuned, task_type = gpt2_pair
     config = GraftConfig(finetuned=finetuned, sparsity=0.02, task_type=task_type)
     model = get_peft_model(clone_model(pre), config, adapter_name="task")
     layer = next(m for m in model.modules() if isinstance(m, GraftLayer) and m.has_region("task"))
@@ -92,17 +81,17 @@ def test_a_sub_folder_adapter_is_checked_too(pair, tmp_path):
     assert not (tmp_path / "out" / "task").exists()
 
 
-def test_a_graft_without_entries_is_refused_at_save_with_why(pair, saved):
+def test_a_graft_without_entries_is_refused_at_save_with_why(gpt2_pair, saved_gpt2):
     """A learned region kept empty (the sign test kept region='empty') makes a graft peft cannot load (no target
     module): the save says so and how to fix it, and the folder keeps its graft."""
-    pre, finetuned, task_type = pair
+    pre, finetuned, task_type = gpt2_pair
     model = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, region="empty", learn_region=True,
                                                          task_type=task_type))  # fmt: skip
     model.base_model.harden_region("default", entries={})
-    before = folder_bytes(saved)
+    before = folder_bytes(saved_gpt2)
     with pytest.raises(ValueError, match=r"Nothing was written.*has no entries.*targets no module.*region='movement'"):
-        model.save_pretrained(saved)
-    assert folder_bytes(saved) == before
+        model.save_pretrained(saved_gpt2)
+    assert folder_bytes(saved_gpt2) == before
 
 
 def test_a_checkpoint_of_a_region_leaving_a_module_with_exact_entries_saves_and_loads(tmp_path):
@@ -140,34 +129,34 @@ def edit_config(folder, **fields) -> None:
 
 @pytest.mark.parametrize("version", [99, 2, -1, "x", 1.0, True])
 @pytest.mark.parametrize("loader", ["peft", "transformers"])
-def test_a_format_version_outside_the_known_range_is_refused(pair, saved, version, loader):
-    edit_config(saved, format_version=version)
-    load = {"peft": lambda: PeftModel.from_pretrained(clone_model(pair[0]), saved),
-            "transformers": lambda: clone_model(pair[0]).load_adapter(str(saved))}[loader]  # fmt: skip
-    path = str(saved / "adapter_config.json")
+def test_a_format_version_outside_the_known_range_is_refused(gpt2_pair, saved_gpt2, version, loader):
+    edit_config(saved_gpt2, format_version=version)
+    load = {"peft": lambda: PeftModel.from_pretrained(clone_model(gpt2_pair[0]), saved_gpt2),
+            "transformers": lambda: clone_model(gpt2_pair[0]).load_adapter(str(saved_gpt2))}[loader]  # fmt: skip
+    path = str(saved_gpt2 / "adapter_config.json")
     with pytest.raises(ValueError, match=rf"'{path}' has format_version={version!r}.*reads formats 0 and 1"):
         load()
 
 
-def test_format_version_0_without_integrity_fields_loads_with_a_warning(pair, saved, caplog):
+def test_format_version_0_without_integrity_fields_loads_with_a_warning(gpt2_pair, saved_gpt2, caplog):
     """With every integrity field present the checks run and nothing is logged; without them it loads, logged."""
-    pre = pair[0]
-    expected = PeftModel.from_pretrained(clone_model(pre), saved)(input_ids()).logits
-    config = json.loads((saved / "adapter_config.json").read_text())
+    pre = gpt2_pair[0]
+    expected = PeftModel.from_pretrained(clone_model(pre), saved_gpt2)(input_ids()).logits
+    config = json.loads((saved_gpt2 / "adapter_config.json").read_text())
     config["format_version"] = 0
-    (saved / "adapter_config.json").write_text(json.dumps(config))
+    (saved_gpt2 / "adapter_config.json").write_text(json.dumps(config))
     with caplog.at_level(logging.WARNING, logger="peft_graft"):
-        PeftModel.from_pretrained(clone_model(pre), saved)
+        PeftModel.from_pretrained(clone_model(pre), saved_gpt2)
     assert not [r for r in caplog.records if "integrity could not be checked" in r.getMessage()]
     for field in ("weights_checksum", "base_fingerprint"):
         del config[field]
-    (saved / "adapter_config.json").write_text(json.dumps(config))
+    (saved_gpt2 / "adapter_config.json").write_text(json.dumps(config))
     with caplog.at_level(logging.WARNING, logger="peft_graft"):
-        loaded = PeftModel.from_pretrained(clone_model(pre), saved)
+        loaded = PeftModel.from_pretrained(clone_model(pre), saved_gpt2)
     assert torch.equal(loaded(input_ids()).logits, expected)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "format_version" in r.msg]
     assert warnings, caplog.text
-    assert str(saved / "adapter_config.json") in warnings[0]
+    assert str(saved_gpt2 / "adapter_config.json") in warnings[0]
     assert "integrity could not be checked" in warnings[0] and "weights_checksum" in warnings[0]
 
 
@@ -192,11 +181,11 @@ def _dangling_folder(folder):
 
 @pytest.mark.parametrize("make", [_weights_loop, _folder_loop, _dangling_folder])
 @pytest.mark.parametrize("loader", ["peft", "transformers"])
-def test_a_link_that_cannot_be_resolved_is_not_taken_for_a_hub_id(pair, saved, make, loader):
-    link = make(saved)
-    folder = saved if link.name == "adapter_model.safetensors" else link
-    load = {"peft": lambda: PeftModel.from_pretrained(clone_model(pair[0]), str(folder)),
-            "transformers": lambda: clone_model(pair[0]).load_adapter(str(folder))}[loader]  # fmt: skip
+def test_a_link_that_cannot_be_resolved_is_not_taken_for_a_hub_id(gpt2_pair, saved_gpt2, make, loader):
+    link = make(saved_gpt2)
+    folder = saved_gpt2 if link.name == "adapter_model.safetensors" else link
+    load = {"peft": lambda: PeftModel.from_pretrained(clone_model(gpt2_pair[0]), str(folder)),
+            "transformers": lambda: clone_model(gpt2_pair[0]).load_adapter(str(folder))}[loader]  # fmt: skip
     with pytest.raises(ValueError, match=rf"'{link}' is a symbolic link that cannot be resolved"):
         load()
 
