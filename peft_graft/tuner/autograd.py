@@ -22,8 +22,8 @@ class GraftedTensors(torch.autograd.Function):
     Saves no dense temporary for backward (only references to S and delta, which exist anyway). One S-sized tensor per
     call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
     :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
-    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not). Fresh tensors this size cost page faults
-    on CPU as large as the arithmetic: that is why each one is reused.
+    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not). On a CPU a fresh tensor this size can
+    cost more than the arithmetic on it (BENCHMARKS.md, "An H200, and dense S with fewer allocations").
     """
 
     @staticmethod
