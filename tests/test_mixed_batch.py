@@ -568,23 +568,29 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
 
 def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch):
     """With autograd on (eval mode), the "sparse_delta" mode runs every layer on the exact path, as the single-graft
-    forward does then: no delta is added, the logits equal the exact mode's bit for bit, and gradients reach the
-    input embeddings."""
+    forward does then: no delta is built or added, the logits equal the exact mode's bit for bit, and gradients reach
+    the input embeddings. Without autograd, every layer's delta is built in one call."""
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
-    added = []
-    monkeypatch.setattr(sparse_delta.LayerDelta, "add_to", lambda *a: added.append(1))
-    monkeypatch.setattr(sparse_delta.LayerNormColumns, "forward", lambda *a: added.append(1))
+    added, prepared = [], []
+    for owner, name in ((sparse_delta.LayerDelta, "add_to"), (sparse_delta.LayerNormColumns, "forward")):
+        spied = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, spied=spied: added.append(1) or spied(*a))
+    original = sparse_delta.prepare
+    monkeypatch.setattr(sparse_delta, "prepare", lambda layers: prepared.append(len(layers)) or original(layers))
     _, model = grafts("bert_cls")
     inputs = batch()
     embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_()
     exact = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
     model.set_mixed_batch_mode("sparse_delta")
     fast = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
-    assert not added and torch.equal(fast, exact)
+    assert not added and not prepared and torch.equal(fast, exact)
     fast.sum().backward()
     assert embeddings.grad is not None and embeddings.grad.abs().sum() > 0
+    with torch.no_grad():
+        model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES)
+    assert added and prepared == [len(model.base_model.graft_layers())]
 
 
 def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):

@@ -59,6 +59,9 @@ class MixedBatch:
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
     # by id(layer), in the "sparse_delta" mode: what the layer runs with (None: the exact path)
     deltas: dict[int, LayerDelta | LayerNormColumns | ExampleParameters | None] = field(default_factory=dict)
+    # in the "sparse_delta" mode, the layers whose deltas are not built yet: all at once, at the first layer call that
+    # uses one (none does while autograd is on, so nothing is built then)
+    unprepared: list[nn.Module] = field(default_factory=list)
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -167,8 +170,8 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
                         )
                     else:
                         module.mixed_batch = batch
-                if delta:
-                    prepare_sparse_deltas([(layer, layer.mixed_batch) for layer in layers])
+                        if delta:
+                            batch.unprepared.append(module)
                 yield
             finally:
                 _clear(tuner)
@@ -223,8 +226,10 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
     one_call = not exact and not rest and not kwargs and torch.is_tensor(x) and x.dim() > 1
     # With autograd on, the exact path (functional per group, as a single-graft forward): the deltas carry no gradient
     if batch.sparse_delta and one_call and x.shape[0] == len(batch.names) and not torch.is_grad_enabled():
-        if id(layer) not in batch.deltas:  # built before the forward (prepare_sparse_deltas), unless added since
-            prepare_sparse_deltas([(layer, batch)])
+        if id(layer) not in batch.deltas:  # every layer's at once (and this one's, if added since)
+            pending = {id(module): module for module in (*batch.unprepared, layer) if id(module) not in batch.deltas}
+            batch.unprepared = []
+            prepare_sparse_deltas([(module, batch) for module in pending.values()])
         delta = batch.deltas[id(layer)]
         if isinstance(delta, LayerDelta):
             tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
@@ -249,8 +254,8 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
 
 def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
     """What each ``(layer, batch)`` runs with in the "sparse_delta" mode, into ``batch.deltas``
-    (:func:`sparse_delta.prepare`: every layer at once, before the forward)."""
-    with torch.no_grad():  # built for the forwards without autograd (generate turns it off only after the hooks)
+    (:func:`sparse_delta.prepare`: every layer of the batch at once, at the first call that uses one)."""
+    with torch.no_grad():
         built = sparse_delta.prepare([(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers])
     for (layer, batch), delta in zip(layers, built, strict=True):
         batch.deltas[id(layer)] = delta

@@ -385,8 +385,8 @@ def prepare(
     layers: list[tuple[nn.Module, list[str], list[str]]],
 ) -> list[LayerDelta | LayerNormColumns | ExampleParameters | None]:
     """For each ``(layer, its grafts in the batch, the batch's graft per example)``, what the mode runs it with (None:
-    the exact path), built before the forward, so that the base values of every layer are compared with one read per
-    device, and each example's row numbers are sent to it in one copy per device."""
+    the exact path), built for every layer at once, so that the base values of every layer are compared with one
+    read per device, and each example's row numbers are sent to it in one copy per device."""
     found, results = [], [None] * len(layers)
     for number, (layer, holders, names) in enumerate(layers):
         kind = _kind(layer.base_layer)
