@@ -11,6 +11,8 @@ letting the layers' ops keep them.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -22,15 +24,16 @@ class GraftedTensors(torch.autograd.Function):
     Saves no dense temporary for backward (only references to S and delta, which exist anyway). One S-sized tensor per
     call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
     :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
-    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not). On a CPU a fresh tensor this size can
-    cost more than the arithmetic on it (BENCHMARKS.md, "An H200, and dense S with fewer allocations").
+    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not), so it is taken from ``gradients`` (a
+    :class:`GradientSlot`, or ``None``: allocated). On a CPU a fresh tensor this size can cost more than the arithmetic
+    on it (BENCHMARKS.md, "An H200, and dense S with fewer allocations").
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, base, offsets, recomputing, *thetas):
+    def forward(ctx, scores, movement, base, offsets, recomputing, gradients, *thetas):
         ctx.save_for_backward(scores, movement, base)
-        ctx.offsets = offsets
-        gamma = torch.sigmoid(scores.detach())
+        ctx.offsets, ctx.gradients = offsets, gradients
+        gamma = torch.sigmoid(scores.detach(), out=_tensor_for_gradient(gradients, scores) if recomputing else None)
         if base.numel():
             gamma[base] = 1.0 - gamma[base]
         # The fp32 outputs are views of one flat tensor, at the same offsets whether recomputing or not (the recipes
@@ -55,8 +58,8 @@ class GraftedTensors(torch.autograd.Function):
         scores, movement, base = ctx.saved_tensors
         offsets = ctx.offsets
         grad = RECOMPUTED_GAMMA.take(scores)  # overwritten by the gradient
-        if grad is None:
-            grad = torch.sigmoid(scores.detach())  # not flipped: gamma * (1 - gamma) is the same
+        if grad is None:  # not flipped: gamma * (1 - gamma) is the same
+            grad = torch.sigmoid(scores.detach(), out=_tensor_for_gradient(ctx.gradients, scores))
         for i, g in enumerate(grads):
             a, b = offsets[i], offsets[i + 1]
             part = grad[a:b]
@@ -68,7 +71,65 @@ class GraftedTensors(torch.autograd.Function):
             part.mul_(movement[a:b])
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
-        return (grad, None, None, None, None, *([None] * len(grads)))
+        return (grad, None, None, None, None, None, *([None] * len(grads)))
+
+
+def _tensor_for_gradient(gradients: GradientSlot | None, scores: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(scores) if gradients is None else gradients.take(scores)
+
+
+REUSED_GRADIENT_BYTES = 32 << 20
+"""glibc's largest mmap threshold: a freed block this large goes back to the system, and its next use faults."""
+
+
+class GradientSlot:
+    """The tensor that held S's gradient, taken back by S's next backward once the optimizer has let it go.
+
+    Why: a backward that returns a fresh S-sized tensor lets autograd make it ``S.grad`` without a copy, but the
+    optimizer's ``zero_grad(set_to_none=True)`` frees it, and on a CPU a fresh tensor of more than 32 MiB (glibc
+    maps it anew) costs page faults on every step: the dense S of RoBERTa-base's word embeddings (154 MB) took 68-93 ms
+    of a 0.8 s step to zero (BENCHMARKS.md, "The gradient of S kept between steps"). A hook keeps ``S.grad`` once
+    autograd has accumulated the tensor this slot gave; :meth:`take` gives it again only while nothing else refers to
+    it (``S.grad`` was set to ``None`` and no one kept it), and a fresh tensor otherwise. Only CPU tensors of at
+    least :data:`REUSED_GRADIENT_BYTES` are kept (smaller ones come back from the heap without page faults, and CUDA's
+    caching allocator reuses memory by itself): this keeps their memory between steps.
+    """
+
+    def __init__(self) -> None:
+        self.held: torch.Tensor | None = None
+        self.given = 0  # data_ptr of the tensor last given
+        self.hooked: Callable[[], torch.Tensor | None] | None = None  # a weakref to the S the hook is on
+
+    def take(self, scores: torch.Tensor, zeroed: bool = False) -> torch.Tensor:
+        """An uninitialised (``zeroed``: zero) tensor like ``scores``, to be returned as its gradient."""
+        if scores.device.type != "cpu" or scores.numel() * scores.element_size() < REUSED_GRADIENT_BYTES:
+            return torch.zeros_like(scores) if zeroed else torch.empty_like(scores)
+        held, self.held = self.held, None
+        # Free when only this slot refers to it: one C++ reference (the tensor's Python object), and as many to that
+        # object as to a local one (``probe``). scores.grad set, or the tensor kept by a caller, adds to either.
+        probe = object()
+        free = (
+            held is not None
+            and scores.grad is None
+            and (held.shape, held.dtype, held.device) == (scores.shape, scores.dtype, scores.device)
+            and held._use_count() == 1
+            and sys.getrefcount(held) <= sys.getrefcount(probe)
+        )
+        if free:
+            tensor = held.zero_() if zeroed else held
+        else:
+            tensor = torch.zeros_like(scores) if zeroed else torch.empty_like(scores)
+        del held
+        if self.hooked is None or self.hooked() is not scores:
+            scores.register_post_accumulate_grad_hook(self._keep)
+            self.hooked = weakref.ref(scores)
+        self.given = tensor.data_ptr()
+        return tensor
+
+    def _keep(self, scores: torch.Tensor) -> None:
+        grad = scores.grad
+        if grad is not None and grad.data_ptr() == self.given and grad._base is None:
+            self.held = grad
 
 
 class RecomputedGamma:
@@ -171,9 +232,9 @@ class GraftedRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, theta, rows, positions, targets, flipped):
+    def forward(ctx, scores, movement, theta, rows, positions, targets, flipped, gradients=None):
         ctx.save_for_backward(scores, movement, rows, positions, targets, flipped)
-        ctx.dim = theta.shape[1]
+        ctx.dim, ctx.gradients = theta.shape[1], gradients
         gathered, delta = _gather_rows(scores.detach(), movement, rows, positions, ctx.dim)
         gamma = torch.sigmoid(gathered)
         gamma[flipped] = 1.0 - gamma[flipped]
@@ -191,12 +252,12 @@ class GraftedRows(torch.autograd.Function):
         grad_rows = grad_rows.reshape(-1) if targets is None else grad_rows.reshape(-1).index_select(0, targets)
         values = torch.ops.aten.sigmoid_backward(grad_rows.float() * delta, torch.sigmoid(gathered))
         values[flipped] = -values[flipped]
-        grad = torch.zeros_like(scores)
+        grad = torch.zeros_like(scores) if ctx.gradients is None else ctx.gradients.take(scores, zeroed=True)
         if positions is None:
             grad.view(-1, ctx.dim).index_copy_(0, rows, values.view(-1, ctx.dim))
         else:
             grad.index_copy_(0, positions, values)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _gather_rows(scores, movement, rows, positions, dim):

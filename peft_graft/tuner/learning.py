@@ -14,7 +14,15 @@ from torch import nn
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from ..regions import global_top_k
-from .autograd import BufferPool, GraftedRows, GraftedSearchSpace, GraftedTensors, LinearPattern, SparseLinearDelta
+from .autograd import (
+    BufferPool,
+    GradientSlot,
+    GraftedRows,
+    GraftedSearchSpace,
+    GraftedTensors,
+    LinearPattern,
+    SparseLinearDelta,
+)
 
 
 class RegionLearner(nn.Module):
@@ -71,6 +79,7 @@ class RegionLearner(nn.Module):
         self.hard: tuple[torch.Tensor, torch.Tensor] | None = None
         self._parts: list[tuple[str, tuple[int, int, torch.Tensor]]] | None = None
         self._pool = BufferPool()  # reused outputs of GraftedSearchSpace
+        self._gradients = GradientSlot()  # the dense gradient of S, reused across steps
         self._linear_patterns: dict[tuple, LinearPattern] = {}  # see linear_delta
 
     @property
@@ -146,7 +155,9 @@ class RegionLearner(nn.Module):
             return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(base_layer, attr) for attr in self.space.attrs]
         offsets = [int(o) for o in self.space.offsets]
-        outputs = GraftedTensors.apply(scores, movement, self.base_region, offsets, recomputing, *thetas)
+        outputs = GraftedTensors.apply(
+            scores, movement, self.base_region, offsets, recomputing, self._gradients, *thetas
+        )
         return dict(zip(self.space.attrs, outputs, strict=True))
 
     def linear_delta(
@@ -194,7 +205,8 @@ class RegionLearner(nn.Module):
             positions = (out_row >= 0).nonzero().reshape(-1)
             targets = out_row[positions] * dim + search[positions] % dim
             flipped = torch.isin(positions, base)
-        return GraftedRows.apply(self.scores, self._movement(), weight, rows, positions, targets, flipped)
+        gradients = self._gradients if positions is None else None  # a search space's S is small: allocated
+        return GraftedRows.apply(self.scores, self._movement(), weight, rows, positions, targets, flipped, gradients)
 
     def _movement(self) -> torch.Tensor:
         device = self.scores.device
