@@ -26,9 +26,12 @@ calls.
 (:class:`ReferenceGraft`: three whole models, dense S, gamma_base and theta_ft - theta_pre in the weights' dtype,
 gradient copies, parameters found by name in Python loops; its top-k gamma_base by numpy sort is set up once,
 untimed), printed beside the mask variants as their step and peak over its own. All use the same batch and one
-micro-batch per step (``mask_batch_size=None``, no gradient accumulation), ``sparsity=1e-4``. Suffixes turn off one
-optimisation each, to measure it: ``:keep`` the saved-tensor hooks that recompute the soft parameters in backward,
-``:no-rows`` the embedding row path (``GraftedRows``); and with a search space they force one path on every linear
+micro-batch per step (``mask_batch_size=None``, no gradient accumulation), ``sparsity=1e-4``. Suffixes change one
+choice each, to measure it: ``:recompute`` rebuilds dense S's soft parameters in backward
+(``MaskTrainingArguments(recompute_soft_parameters=True)``) and ``:keep`` keeps them (the default; at a commit before
+that field, the rebuilding was the default and ``:keep`` turns it off), ``:no-rows`` turns off the embedding row path
+(``GraftedRows``); and with
+a search space they force one path on every linear
 layer instead of the cheaper one for the layer and batch (``LinearPattern.sparse_is_cheaper``): ``:sparse`` the sparse
 products (``SparseLinearDelta``), ``:copy`` the soft weight copy (``GraftedSearchSpace``); e.g. ``none:no-rows``,
 ``0.01:copy``.
@@ -129,31 +132,43 @@ def search_space(text: str) -> dict[str, float | int]:
     return {"search_fraction": float(text)} if any(c in text for c in ".e") else {"search_entries": int(text)}
 
 
-VARIANT_FLAGS = ("keep", "no-rows", "sparse", "copy")
+VARIANT_FLAGS = ("keep", "recompute", "no-rows", "sparse", "copy")
 
 
 def use_variant(variant: str) -> None:
-    """Set the layer switches for ``VALUE[:keep][:no-rows][:sparse|:copy]`` (see the module docstring)."""
+    """Set the layer switches for ``VALUE[:keep|:recompute][:no-rows][:sparse|:copy]`` (see the module docstring)."""
     flags = variant.split(":")[1:]
     if flags and variant.split(":")[0] == REFERENCE:
         raise ValueError(f"Variant {variant!r}: the reference step takes no suffixes.")
     unknown = set(flags) - set(VARIANT_FLAGS)
-    if unknown or {"sparse", "copy"} <= set(flags):
-        raise ValueError(f"Variant {variant!r}: suffixes are :keep, :no-rows and one of :sparse or :copy, got {flags}.")
-    graft_layer.RECOMPUTE_SOFT_PARAMETERS = "keep" not in flags
+    if unknown or {"sparse", "copy"} <= set(flags) or {"keep", "recompute"} <= set(flags):
+        raise ValueError(
+            f"Variant {variant!r}: suffixes are one of :keep or :recompute, :no-rows and one of :sparse or :copy, got "
+            f"{flags}."
+        )
+    if hasattr(graft_layer, "RECOMPUTE_SOFT_PARAMETERS"):  # a commit before the MaskTrainingArguments field
+        graft_layer.RECOMPUTE_SOFT_PARAMETERS = "keep" not in flags
     graft_layer.GRAFT_EMBEDDING_ROWS = "no-rows" not in flags
     graft_layer.GRAFT_SPARSE_LINEAR = "copy" not in flags
     if SPARSE_IS_CHEAPER is not None:
         LinearPattern.sparse_is_cheaper = (lambda self, tokens: True) if "sparse" in flags else SPARSE_IS_CHEAPER
 
 
-def mask_trainer(pre: torch.nn.Module, finetuned, search: dict[str, float | int], device: str = "cpu") -> MaskTrainer:
+def mask_trainer(pre: torch.nn.Module, finetuned, variant: str, device: str = "cpu") -> MaskTrainer:
     """``finetuned``: a model object (encoders) or the path of a saved checkpoint (Llama models)."""
     heads = None if isinstance(pre, LlamaForCausalLM) else ["classifier"]
-    config = GraftConfig(finetuned=finetuned, sparsity=SPARSITY, learn_region=True, modules_to_save=heads, **search)
+    config = GraftConfig(
+        finetuned=finetuned, sparsity=SPARSITY, learn_region=True, modules_to_save=heads, **search_space(variant)
+    )
     model = get_peft_model(pre, config)
+    flags = variant.split(":")[1:]
+    recompute = {"recompute": True, "keep": False}.get(next((f for f in flags if f in ("keep", "recompute")), ""))
+    if "recompute_soft_parameters" in {f.name for f in dataclasses.fields(MaskTrainingArguments)}:
+        extra = {"recompute_soft_parameters": recompute}
+    else:  # a commit before the field: use_variant sets the module switch
+        extra = {}
     args = MaskTrainingArguments(
-        output_dir="/tmp/bench_mask", report_to=[], use_cpu=device == "cpu", mask_batch_size=None
+        output_dir="/tmp/bench_mask", report_to=[], use_cpu=device == "cpu", mask_batch_size=None, **extra
     )
     trainer = MaskTrainer(model=model, args=args)
     assert trainer.args.gradient_accumulation_steps == 1  # one step = one micro-batch, as the plain step
@@ -406,7 +421,7 @@ def build(name: str, variant: str, device: str, dtype: str, cache: str, meter: M
     elif variant == REFERENCE:
         trainer = reference_graft(pre, finetuned or fine_tuned_like(pre), device)
     else:  # theta_ft: a path (read by the library), or an object dropped once the graft exists
-        trainer = mask_trainer(pre, finetuned or fine_tuned_like(pre), search_space(variant), device)
+        trainer = mask_trainer(pre, finetuned or fine_tuned_like(pre), variant, device)
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     return trainer, batch, loaded
@@ -453,7 +468,7 @@ def build_all(name: str, variants: list[str], device: str, dtype: str, cache: st
         if variant == REFERENCE:
             trainers[variant] = reference_graft(copy.deepcopy(pre), finetuned, device)
         else:
-            trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, search_space(variant), device)
+            trainers[variant] = mask_trainer(copy.deepcopy(pre), finetuned, variant, device)
     del finetuned, pre
     for key, trainer in trainers.items():
         use_variant(key)

@@ -20,7 +20,7 @@ import bench_mask_step as B  # noqa: E402
 import bench_models as M  # noqa: E402
 
 TINY = "llama-0.4m"
-SWITCHES = ("RECOMPUTE_SOFT_PARAMETERS", "GRAFT_EMBEDDING_ROWS", "GRAFT_SPARSE_LINEAR")
+SWITCHES = ("GRAFT_EMBEDDING_ROWS", "GRAFT_SPARSE_LINEAR")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -560,3 +560,14 @@ def test_mask_training_over_a_bf16_model_keeps_fp32_scores_and_merges_to_theta_f
     """A bf16 base (issue 14): S is fp32, training runs (dense S or a search space), and the learned region merges
     into the bf16 model as theta_ft bit for bit."""
     check_bf16_mask_training(tmp_path, search)
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_recompute_soft_parameters_reaches_every_graft_layer(setting, tmp_path):
+    """``MaskTrainingArguments.recompute_soft_parameters``: None (off without FSDP2, see the FSDP tests), True or
+    False, set on every graft layer; anything else is refused."""
+    _, model = learning_graft()
+    MaskTrainer(model=model, args=fast_args(tmp_path, recompute_soft_parameters=setting), train_dataset=cls_dataset())
+    assert {layer.recompute_soft_parameters for layer in model.base_model.graft_layers().values()} == {bool(setting)}
+    with pytest.raises(TypeError, match="recompute_soft_parameters must be True, False or None, got 'yes'"):
+        fast_args(tmp_path, recompute_soft_parameters="yes")

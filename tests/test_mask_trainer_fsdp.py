@@ -103,6 +103,9 @@ def test_other_sharding_engines_are_refused_and_fsdp2_ignores_the_graft_state(tm
         trainer._prepare_sharding()
     plugin.cpu_ram_efficient_loading = False
     assert trainer._prepare_sharding() is True
+    trainer._sharded = True
+    trainer._set_soft_parameter_recomputation()  # recompute_soft_parameters=None: on under FSDP2
+    assert all(layer.recompute_soft_parameters for layer in model.base_model.graft_layers().values())
     ignored = {id(p) for module in plugin.ignored_modules for p in module.parameters()}
     for name, param in model.named_parameters():
         graft_state = "graft_" in name or ".modules_to_save." in name

@@ -12,7 +12,6 @@ from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, learning_g
 from torch import nn
 from transformers import Trainer
 
-import peft_graft.tuner.layer as graft_layer
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer
 from peft_graft.tuner import autograd
 
@@ -172,8 +171,11 @@ def test_bad_search_spaces_give_clear_errors():
 # ------------------------------------------------------------------------------------------ saved-tensor hooks
 @pytest.mark.parametrize("arch", ["roberta_cls", "gpt2"])
 def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkeypatch):
-    """The layer's ops do not keep the dense soft parameters alive until backward; the gradient of S is unchanged."""
+    """With ``recompute_soft_parameters`` (``MaskTrainingArguments``), the layer's ops do not keep the dense soft
+    parameters alive until backward; the gradient of S is unchanged."""
     _, model = learning_graft(arch)
+    for layer in model.base_model.graft_layers().values():
+        layer.recompute_soft_parameters = True
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for layer in learning_layers(model).values():
@@ -207,7 +209,8 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
     assert made and alive == 0
     hits = sum(t is not None for t in taken)
     assert hits >= len(taken) // 2 > 0  # most layers' backward reused the gamma of the recomputation
-    monkeypatch.setattr(graft_layer, "RECOMPUTE_SOFT_PARAMETERS", False)
+    for layer in model.base_model.graft_layers().values():
+        layer.recompute_soft_parameters = False  # the default
     taken.clear()
     kept, reference = run()
     assert kept > 0 and taken and not any(t is not None for t in taken)  # without the hooks, F.linear & co. keep them

@@ -78,6 +78,11 @@ class MaskTrainingArguments(TrainingArguments):
             ``selection_alpha / m``, m the learned masks evaluated (see :mod:`.mask_selection`); the best selection
             metric among those that pass wins. Needs ``metric_for_best_model`` to be an accuracy and one label per
             example. ``None``: the best selection metric wins, however small the margin (the paper).
+        recompute_soft_parameters: With dense S, rebuild ``theta_pre + gamma * delta`` of every learning layer in
+            backward instead of letting the layers' ops keep it from the forward, as ``gradient_checkpointing`` does
+            for activations: saves one copy of those layers' parameters (in the model's dtype) while the forward's
+            activations are held, at the cost of a sigmoid and a multiply-add over them per step. ``None``: on under
+            FSDP (where memory is why the model is sharded), off otherwise.
     """
 
     learning_rate: float = field(default=1e7, metadata={"help": "Learning rate of S (paper: 1e7)."})
@@ -113,6 +118,13 @@ class MaskTrainingArguments(TrainingArguments):
             "accurate at this level (Bonferroni over the evaluated masks). None: the best metric wins (the paper)."
         },
     )
+    recompute_soft_parameters: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Dense S: rebuild the soft parameters in backward instead of keeping them (less memory, a slower "
+            "step). None: on under FSDP, off otherwise."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,6 +150,10 @@ class MaskTrainingArguments(TrainingArguments):
             check_selection_alpha(self.selection_alpha)
         if not (self.l1_penalty >= 0.0) or math.isinf(self.l1_penalty):
             raise ValueError(f"l1_penalty must be a finite number >= 0, got {self.l1_penalty}.")
+        if self.recompute_soft_parameters is not None and not isinstance(self.recompute_soft_parameters, bool):
+            raise TypeError(
+                f"recompute_soft_parameters must be True, False or None, got {self.recompute_soft_parameters!r}."
+            )
 
 
 def check_selection_alpha(value: Any) -> None:
@@ -187,6 +203,7 @@ class MaskTrainer(LossTermsTrainer):
             param.requires_grad_(f"graft_learning.{adapter_name}.scores" in name)
         super().__init__(model=model, args=args, **kwargs)
         self._sharded = self._prepare_sharding()
+        self._set_soft_parameter_recomputation()
         # Each micro-batch loss is taken as a mean and divided by the accumulation steps, so that a step's gradient is
         # that of the mean loss over the global batch on any number of processes (many heads, e.g. sequence
         # classification, ignore the num_items_in_batch the Trainer would otherwise rely on).
@@ -214,6 +231,12 @@ class MaskTrainer(LossTermsTrainer):
             )
         self._fingerprint: str | None = None
         self.add_callback(_StartingMaskEvaluation(self))
+
+    def _set_soft_parameter_recomputation(self) -> None:
+        """``recompute_soft_parameters`` on every graft layer (``None``: on where FSDP2 shards the model)."""
+        recompute = self.args.recompute_soft_parameters
+        for layer in self.model.base_model.graft_layers().values():
+            layer.recompute_soft_parameters = self._sharded if recompute is None else recompute
 
     # ------------------------------------------------------------------------------------------ FSDP2
     def _prepare_sharding(self) -> bool:

@@ -34,9 +34,8 @@ from .mixed_batch import MixedBatch, layer_forward
 from .packed import PackedStore
 from .sparse_delta import forget_joined
 
-# Module switches, for tests and benchmarks of autograd.RecomputeSoftParameters, autograd.GraftedRows,
-# autograd.SparseLinearDelta and the in-place inference forward (GraftLayer.in_place_plan).
-RECOMPUTE_SOFT_PARAMETERS = True
+# Module switches, for tests and benchmarks of autograd.GraftedRows, autograd.SparseLinearDelta and the in-place
+# inference forward (GraftLayer.in_place_plan).
 GRAFT_EMBEDDING_ROWS = True
 GRAFT_SPARSE_LINEAR = True
 GRAFT_IN_PLACE_INFERENCE = True
@@ -109,6 +108,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         self.written_plan: InPlacePlan | None = None  # the plan in_place.written_in_place wrote for the model's forward
         self.mixed_batch: MixedBatch | None = None  # one graft per example, while a mixed batch runs (mixed_batch.py)
         self.scaling: dict[str, float] = {}  # run-time scale per adapter, 1.0 when absent (see set_scale)
+        # Dense soft parameters rebuilt in backward (autograd.RecomputeSoftParameters) instead of kept by the layer's
+        # ops: MaskTrainingArguments.recompute_soft_parameters sets it
+        self.recompute_soft_parameters = False
         self._disable_adapters = False
         self.merged_adapters = []
         self.in_features, self.out_features = in_out_features(base_layer)  # as peft's layers; None if unknown
@@ -685,7 +687,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         overrides = self.effective_parameters(self.active_adapters, recipes)
         if not overrides:
             return self.base_layer(*args, **kwargs)
-        if recipes and RECOMPUTE_SOFT_PARAMETERS and torch.is_grad_enabled():
+        if recipes and self.recompute_soft_parameters and torch.is_grad_enabled():
             sources = {
                 overrides[attr].untyped_storage().data_ptr(): (overrides[attr].dtype, *recipe)
                 for attr, recipe in recipes.items()
