@@ -57,10 +57,20 @@ def test_kept_gradients_are_the_fresh_ones_step_after_step(arch, slots_for_every
     assert reused > 0  # the slots did give their tensors back
 
 
-def test_a_gradient_someone_kept_is_never_overwritten(slots_for_every_size):
+@pytest.mark.parametrize("keep", ["tensor", "detach", "data", "numpy", "view"])
+def test_a_gradient_someone_kept_is_never_overwritten(keep, slots_for_every_size):
+    """Kept as the tensor, or as another tensor or array on its memory, which the tensor's own reference count does
+    not show."""
+    take = {
+        "tensor": lambda g: g,
+        "detach": lambda g: g.detach(),
+        "data": lambda g: g.data,
+        "numpy": lambda g: g.numpy(),
+        "view": lambda g: g.view(-1),
+    }[keep]
     _, model = learning_graft("roberta_cls")
     backward(model, 0)
-    kept = {n: learner.scores.grad for n, learner in learners(model).items()}
+    kept = {n: torch.as_tensor(take(learner.scores.grad)) for n, learner in learners(model).items()}
     copies = {n: g.clone() for n, g in kept.items()}
     model.zero_grad(set_to_none=True)
     backward(model, 1)
@@ -90,3 +100,20 @@ def test_small_or_non_cpu_gradients_are_not_kept():
     backward(model, 0)
     for learner in learners(model).values():
         assert learner._gradients.held is None and learner._gradients.hooked is None
+
+
+def test_a_model_with_kept_gradients_pickles_and_copies_without_them(slots_for_every_size):
+    import copy
+    import io
+
+    _, model = learning_graft("roberta_cls")
+    backward(model, 0)
+    assert any(learner._gradients.held is not None for learner in learners(model).values())
+    torch.save(model, io.BytesIO())  # the slot's weakref and hook are not pickled
+    copied = copy.deepcopy(model)
+    assert all(learner._gradients.held is None for learner in learners(copied).values())
+    copied.zero_grad(set_to_none=True)
+    backward(copied, 1)
+    expected = fresh_gradients("roberta_cls", [1])
+    for name, learner in learners(copied).items():
+        assert torch.equal(learner.scores.grad, expected[name]), name

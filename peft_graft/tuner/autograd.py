@@ -105,8 +105,9 @@ class GradientSlot:
         if scores.device.type != "cpu" or scores.numel() * scores.element_size() < REUSED_GRADIENT_BYTES:
             return torch.zeros_like(scores) if zeroed else torch.empty_like(scores)
         held, self.held = self.held, None
-        # Free when only this slot refers to it: one C++ reference (the tensor's Python object), and as many to that
-        # object as to a local one (``probe``). scores.grad set, or the tensor kept by a caller, adds to either.
+        # Free when only this slot refers to it: one C++ reference (the tensor's Python object), as many to that object
+        # as to a local one (``probe``), and no other tensor or array on its memory (``.detach()``, ``.data``,
+        # ``.numpy()``, views). scores.grad set, or the tensor or its memory kept by a caller, adds to one of them.
         probe = object()
         free = (
             held is not None
@@ -114,6 +115,7 @@ class GradientSlot:
             and (held.shape, held.dtype, held.device) == (scores.shape, scores.dtype, scores.device)
             and held._use_count() == 1
             and sys.getrefcount(held) <= sys.getrefcount(probe)
+            and _storage_references(held) <= _storage_references(torch.empty(0))
         )
         if free:
             tensor = held.zero_() if zeroed else held
@@ -126,10 +128,21 @@ class GradientSlot:
         self.given = tensor.data_ptr()
         return tensor
 
+    def __getstate__(self) -> dict:
+        return {}  # a held tensor and the hook are runtime state: a pickled or copied model starts with an empty slot
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
     def _keep(self, scores: torch.Tensor) -> None:
         grad = scores.grad
         if grad is not None and grad.data_ptr() == self.given and grad._base is None:
             self.held = grad
+
+
+def _storage_references(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s memory (one more while the storage object asked for it exists)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 class RecomputedGamma:
