@@ -30,11 +30,9 @@ micro-batch per step (``mask_batch_size=None``, no gradient accumulation), ``spa
 choice each, to measure it: ``:recompute`` rebuilds dense S's soft parameters in backward
 (``MaskTrainingArguments(recompute_soft_parameters=True)``) and ``:keep`` keeps them (the default; at a commit before
 that field, the rebuilding was the default and ``:keep`` turns it off), ``:no-rows`` turns off the embedding row path
-(``GraftedRows``); and with
-a search space they force one path on every linear
-layer instead of the cheaper one for the layer and batch (``LinearPattern.sparse_is_cheaper``): ``:sparse`` the sparse
-products (``SparseLinearDelta``), ``:copy`` the soft weight copy (``GraftedSearchSpace``); e.g. ``none:no-rows``,
-``0.01:copy``.
+(``GraftedRows``); and with a search space they force one path on every linear layer instead of the cheaper one for
+the layer and batch (``LinearPattern.sparse_is_cheaper``): ``:sparse`` the sparse products (``SparseLinearDelta``),
+``:copy`` the soft weight copy (``GraftedSearchSpace``); e.g. ``none:no-rows``, ``0.01:copy``.
 
 ``--profile`` prints, for one step of each variant after the warm-up, torch.profiler's operators by self CPU time
 (share of the step and call counts) and the total operator calls: run it at another commit through a worktree
@@ -162,7 +160,7 @@ def mask_trainer(pre: torch.nn.Module, finetuned, variant: str, device: str = "c
     )
     model = get_peft_model(pre, config)
     flags = variant.split(":")[1:]
-    recompute = {"recompute": True, "keep": False}.get(next((f for f in flags if f in ("keep", "recompute")), ""))
+    recompute = True if "recompute" in flags else False if "keep" in flags else None
     if "recompute_soft_parameters" in {f.name for f in dataclasses.fields(MaskTrainingArguments)}:
         extra = {"recompute_soft_parameters": recompute}
     else:  # a commit before the field: use_variant sets the module switch

@@ -25,7 +25,7 @@ class GraftedTensors(torch.autograd.Function):
     call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
     :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
     ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not), so it is taken from ``gradients`` (a
-    :class:`GradientSlot`, or ``None``: allocated). On a CPU a fresh tensor this size can cost more than the arithmetic
+    :class:`GradientSlot`). On a CPU a fresh tensor this size can cost more than the arithmetic
     on it (BENCHMARKS.md, "An H200, and dense S with fewer allocations").
     """
 
@@ -33,7 +33,7 @@ class GraftedTensors(torch.autograd.Function):
     def forward(ctx, scores, movement, base, offsets, recomputing, gradients, *thetas):
         ctx.save_for_backward(scores, movement, base)
         ctx.offsets, ctx.gradients = offsets, gradients
-        gamma = torch.sigmoid(scores.detach(), out=_tensor_for_gradient(gradients, scores) if recomputing else None)
+        gamma = torch.sigmoid(scores.detach(), out=gradients.take(scores) if recomputing else None)
         if base.numel():
             gamma[base] = 1.0 - gamma[base]
         # The fp32 outputs are views of one flat tensor, at the same offsets whether recomputing or not (the recipes
@@ -59,7 +59,7 @@ class GraftedTensors(torch.autograd.Function):
         offsets = ctx.offsets
         grad = RECOMPUTED_GAMMA.take(scores)  # overwritten by the gradient
         if grad is None:  # not flipped: gamma * (1 - gamma) is the same
-            grad = torch.sigmoid(scores.detach(), out=_tensor_for_gradient(ctx.gradients, scores))
+            grad = torch.sigmoid(scores.detach(), out=ctx.gradients.take(scores))
         for i, g in enumerate(grads):
             a, b = offsets[i], offsets[i + 1]
             part = grad[a:b]
@@ -72,10 +72,6 @@ class GraftedTensors(torch.autograd.Function):
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
         return (grad, None, None, None, None, None, *([None] * len(grads)))
-
-
-def _tensor_for_gradient(gradients: GradientSlot | None, scores: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(scores) if gradients is None else gradients.take(scores)
 
 
 REUSED_GRADIENT_BYTES = 32 << 20
@@ -245,7 +241,7 @@ class GraftedRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, theta, rows, positions, targets, flipped, gradients=None):
+    def forward(ctx, scores, movement, theta, rows, positions, targets, flipped, gradients):
         ctx.save_for_backward(scores, movement, rows, positions, targets, flipped)
         ctx.dim, ctx.gradients = theta.shape[1], gradients
         gathered, delta = _gather_rows(scores.detach(), movement, rows, positions, ctx.dim)
@@ -265,7 +261,7 @@ class GraftedRows(torch.autograd.Function):
         grad_rows = grad_rows.reshape(-1) if targets is None else grad_rows.reshape(-1).index_select(0, targets)
         values = torch.ops.aten.sigmoid_backward(grad_rows.float() * delta, torch.sigmoid(gathered))
         values[flipped] = -values[flipped]
-        grad = torch.zeros_like(scores) if ctx.gradients is None else ctx.gradients.take(scores, zeroed=True)
+        grad = ctx.gradients.take(scores, zeroed=True)
         if positions is None:
             grad.view(-1, ctx.dim).index_copy_(0, rows, values.view(-1, ctx.dim))
         else:

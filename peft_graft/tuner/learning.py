@@ -205,8 +205,9 @@ class RegionLearner(nn.Module):
             positions = (out_row >= 0).nonzero().reshape(-1)
             targets = out_row[positions] * dim + search[positions] % dim
             flipped = torch.isin(positions, base)
-        gradients = self._gradients if positions is None else None  # a search space's S is small: allocated
-        return GraftedRows.apply(self.scores, self._movement(), weight, rows, positions, targets, flipped, gradients)
+        return GraftedRows.apply(
+            self.scores, self._movement(), weight, rows, positions, targets, flipped, self._gradients
+        )
 
     def _movement(self) -> torch.Tensor:
         device = self.scores.device
