@@ -25,8 +25,8 @@ class GraftedTensors(torch.autograd.Function):
     call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
     :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
     ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not), so it is taken from ``gradients`` (a
-    :class:`GradientSlot`). On a CPU a fresh tensor this size can cost more than the arithmetic
-    on it (BENCHMARKS.md, "An H200, and dense S with fewer allocations").
+    :class:`GradientSlot`). On a CPU a fresh tensor this size can cost more than the arithmetic on it (BENCHMARKS.md,
+    "An H200, and dense S with fewer allocations").
     """
 
     @staticmethod
