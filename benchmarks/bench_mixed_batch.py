@@ -20,10 +20,10 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
   ``load_adapter`` onto one base: peak RSS over the loaded base against the adapters' file sizes, load time per
   graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
 
-Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round; each
-round times the base and every variant back to back, in an order rotated each round (``rounds``,
-``paired_ratios``). Results are appended to ``--out`` as JSON lines as each part finishes; a part already there is
-skipped (resumable).
+Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round (and,
+where LoRA runs in the rounds, of each graft variant's time over LoRA's: ``..._over_lora``); each round times the base
+and every variant back to back, in an order rotated each round (``rounds``, ``paired_ratios``). Results are appended
+to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
 
 Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]
 [--cases 8:1e-4 32:1e-4] [--device cuda]`` (``--cases``: the scaling part's batches, ``grafts:fraction``;
@@ -195,12 +195,17 @@ def rotated(names: list[str], shift: int) -> list[str]:
 
 
 def ratios(key: str, times: dict[str, list[float]]) -> dict:
-    """Per variant of ``rounds``: its median time and its paired ratio to the base (median and quartiles)."""
+    """Per variant of ``rounds``: its median time and its paired ratio to the base (median and quartiles); with LoRA
+    in the rounds, also each graft variant's paired ratio to LoRA's call of the same round (``..._over_lora``): the
+    comparison itself, rather than two ratios to the base that each carry the base's noise."""
     out = {f"{key}_base_ms": round(1e3 * statistics.median(times["base"]), 1)}
     for name, variant_times in times.items():
         if name != "base":
             out[f"{key}_{name}_ms"] = round(1e3 * statistics.median(variant_times), 1)
             out.update(paired_ratios(f"{key}_{name}_over_base", variant_times, times["base"]))
+    for name, variant_times in times.items():
+        if "lora" in times and name not in ("base", "lora"):
+            out.update(paired_ratios(f"{key}_{name}_over_lora", variant_times, times["lora"]))
     return out
 
 
