@@ -199,13 +199,13 @@ def ratios(key: str, times: dict[str, list[float]]) -> dict:
     in the rounds, also each graft variant's paired ratio to LoRA's call of the same round (``..._over_lora``): the
     comparison itself, rather than two ratios to the base that each carry the base's noise."""
     out = {f"{key}_base_ms": round(1e3 * statistics.median(times["base"]), 1)}
+    lora = times.get("lora")
     for name, variant_times in times.items():
         if name != "base":
             out[f"{key}_{name}_ms"] = round(1e3 * statistics.median(variant_times), 1)
             out.update(paired_ratios(f"{key}_{name}_over_base", variant_times, times["base"]))
-    for name, variant_times in times.items():
-        if "lora" in times and name not in ("base", "lora"):
-            out.update(paired_ratios(f"{key}_{name}_over_lora", variant_times, times["lora"]))
+            if lora is not None and name != "lora":
+                out.update(paired_ratios(f"{key}_{name}_over_lora", variant_times, lora))
     return out
 
 
