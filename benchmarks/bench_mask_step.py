@@ -100,6 +100,7 @@ from bench_models import (
     fine_tuned_like,
     finetuned_dir,
     load_pretrained,
+    minor_faults,
     num_parameters,
     prepare_finetuned,
     release_free_memory,
@@ -437,12 +438,17 @@ def run_variant(name: str, variant: str, repeats: int, device: str, dtype: str, 
     meter.reset()
     state = {}
     step(trainer, batch, meter, probe=lambda t: state.update(kept_state(t)))  # warm-up
-    times = [step(trainer, batch, meter) for _ in range(repeats)]
+    times, faults = [], []
+    for _ in range(repeats):
+        before = minor_faults()
+        times.append(step(trainer, batch, meter))
+        faults.append(minor_faults() - before)
     peak = meter.peak()
     return {
         "variant": variant,
         "times_s": times,
         "median_s": statistics.median(times) if times else None,
+        "faults_alone_per_step": statistics.median(faults) if faults else None,
         "build_s": built,
         "rss_after_load_gb": loaded,
         "creation_peak_gb": creation_peak,
@@ -476,20 +482,26 @@ def build_all(name: str, variants: list[str], device: str, dtype: str, cache: st
     return trainers, batch, meter
 
 
-def time_all(name: str, repeats: int, variants: list[str], device: str, dtype: str, cache: str) -> dict:
+def time_all(name: str, repeats: int, variants: list[str], device: str, dtype: str, cache: str) -> tuple[dict, dict]:
     """Paired step times in this process: per variant, ``repeats`` pairs of a plain SGD step and a variant step back to
-    back, in turn first. Returns ``{variant: [(plain_s, variant_s), ...]}``."""
+    back, in turn first. Returns ``{variant: [(plain_s, variant_s), ...]}`` and the minor page faults of the same
+    steps, ``{variant: [(plain, variant), ...]}``: the trainers share this process's allocator, so one step can pay
+    for memory that another gave back (BENCHMARKS.md, "Page faults")."""
     trainers, batch, meter = build_all(name, variants, device, dtype, cache)
     pairs = {variant: [] for variant in variants}
+    faults = {variant: [] for variant in variants}
     for i in range(repeats):
         for variant in variants:
             order = ("plain", variant) if i % 2 == 0 else (variant, "plain")
-            timed = {}
+            timed, faulted = {}, {}
             for key in order:
                 use_variant(key)
+                before = minor_faults()
                 timed[key] = step(trainers[key], batch, meter)
+                faulted[key] = minor_faults() - before
             pairs[variant].append((timed["plain"], timed[variant]))
-    return pairs
+            faults[variant].append((faulted["plain"], faulted[variant]))
+    return pairs, faults
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -737,11 +749,14 @@ def fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, float]]]) -> None:
+def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, float]]], faults: dict) -> None:
     """Put the paired steps of :func:`time_all` into ``results``: each variant's times, median and paired ratios
-    (median and quartiles); plain SGD's times are all its steps."""
+    (median and quartiles), and its median minor page faults per step; plain SGD's times are all its steps."""
     plain = [p for variant_pairs in pairs.values() for p, _ in variant_pairs]
-    results["plain"].update({"times_s": plain, "median_s": statistics.median(plain)})
+    plain_faults = [p for variant_faults in faults.values() for p, _ in variant_faults]
+    results["plain"].update({
+        "times_s": plain, "median_s": statistics.median(plain), "faults_per_step": statistics.median(plain_faults),
+    })  # fmt: skip
     for variant, variant_pairs in pairs.items():
         times = [v for _, v in variant_pairs]
         ratios = [v / p for p, v in variant_pairs]
@@ -749,16 +764,17 @@ def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, fl
         results[variant].update({
             "times_s": times, "median_s": statistics.median(times), "pairs_s": variant_pairs,
             "paired_ratios": ratios, "paired_ratio": median, "paired_ratio_quartiles": [low, high],
+            "faults_per_step": statistics.median(v for _, v in faults[variant]),
         })  # fmt: skip
 
 
-def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | None) -> dict:
+def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | None, faults: dict | None = None) -> dict:
     """Print the side-by-side table, the targets, each mask variant against the reference step and the on-paper
     accounting; return the JSON record."""
     unit = "GiB allocated on the GPU" if args.device == "cuda" else "GiB RSS"
     plain = results["plain"]
     if pairs is not None:
-        paired_times(results, pairs)
+        paired_times(results, pairs, faults)
     how = f"{args.repeats} pairs (plain, variant) alternating in one process" if pairs is not None else (
         f"median of {args.repeats} after a warm-up, each variant in its own process")  # fmt: skip
     print(f"step time ({args.clock} clock): {how}; memory: each variant alone ({unit})")
@@ -783,6 +799,10 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
                 f"  paired ratio, search={variant}: median {result['paired_ratio']:.3f} (quartiles {low:.3f}-"
                 f"{high:.3f}) over {len(result['paired_ratios'])} pairs: {fmt(result['paired_ratios'])}"
             )
+    for key, where in (("faults_per_step", "in the paired process"), ("faults_alone_per_step", "each alone")):
+        counts = [f"{variant} {result[key]:.0f}" for variant, result in results.items() if result.get(key) is not None]
+        if counts:
+            print(f"  minor page faults per step {where} (median): {', '.join(counts)}")
     if "median_s" in plain:
         for variant, result in results.items():
             if variant not in ("plain", REFERENCE) and "ratio" in result:
@@ -893,9 +913,9 @@ def main() -> None:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(record, indent=1))
         return
-    pairs = None
+    pairs = faults = None
     if not isolated:
-        pairs = time_all(args.model, args.repeats, args.search, args.device, args.dtype, args.cache)
+        pairs, faults = time_all(args.model, args.repeats, args.search, args.device, args.dtype, args.cache)
     results = {}
     for variant in ["plain", *args.search]:
         estimate = estimated_peak_gb(args.model, variant, args.dtype) if args.device == "cpu" else None
@@ -907,7 +927,7 @@ def main() -> None:
         print(f"running {variant} in its own process{about} ...", flush=True)
         # Alternating: the memory process runs the 3 steps the earlier --memory mode did (warm-up + 2).
         results[variant] = subprocess_run(args, variant, args.repeats if isolated else 2)
-    record = report(args, results, pairs)
+    record = report(args, results, pairs, faults)
     print(f"load average at the end: {os.getloadavg()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

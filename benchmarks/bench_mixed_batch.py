@@ -51,6 +51,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_graft import make_pair, paired_ratios, peak_rss_mb, reset_peak_rss, rss_mb
+from bench_models import minor_faults
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig, Region
@@ -174,18 +175,27 @@ def part_design(repeats: int) -> dict:
     return out
 
 
-def rounds(variants: dict, base, repeats: int) -> dict[str, list[float]]:
+def rounds(variants: dict, base, repeats: int, faults: dict | None = None) -> dict[str, list[float]]:
     """``repeats`` rounds, each timing the base and every variant back to back (after one warm-up of each), in an
     order rotated by one each round, so that no variant always runs furthest from the base while the host drifts: per
-    variant, its times and the base times of the same rounds."""
+    variant, its times and the base times of the same rounds. ``faults``, if given, gets each call's minor page
+    faults per name."""
     calls = {"base": base, **variants}
     for call in calls.values():
         call()
     times = {name: [] for name in calls}
     for repeat in range(repeats):
         for name in rotated(list(calls), repeat):
+            before = minor_faults()
             times[name].append(one_time(calls[name]))
+            if faults is not None:
+                faults.setdefault(name, []).append(minor_faults() - before)
     return times
+
+
+def fault_medians(key: str, faults: dict[str, list[int]]) -> dict:
+    """Median minor page faults per call of each name of :func:`rounds` (``{key}_{name}_faults``)."""
+    return {f"{key}_{name}_faults": statistics.median(counts) for name, counts in faults.items()}
 
 
 def rotated(names: list[str], shift: int) -> list[str]:
@@ -256,8 +266,10 @@ def part_mixed(repeats: int) -> dict:
     del finetuned
     lora = lora_model(base, GROUPS)
     result = {"entries_per_graft": model.get_region("g0").num_entries}
-    times = rounds(mixed_variants(model, lora, inputs, GROUPS), lambda: forward(base, inputs), repeats)
+    faults = {}
+    times = rounds(mixed_variants(model, lora, inputs, GROUPS), lambda: forward(base, inputs), repeats, faults)
     result.update(ratios("mixed_8", times))
+    result.update(fault_medians("mixed_8", faults))
     return result
 
 
@@ -274,8 +286,10 @@ def part_scaling(repeats: int, cases: list[str] = SCALING_CASES) -> dict:
     for distinct, fraction in ((int(c.split(":")[0]), float(c.split(":")[1])) for c in cases):
         model = graft_model(plain_copy(pre), finetuned, distinct, fraction)
         lora = lora_model(base, distinct) if fraction == 1e-4 else None
-        times = rounds(mixed_variants(model, lora, inputs, distinct), lambda: forward(base, inputs), repeats)
+        faults = {}
+        times = rounds(mixed_variants(model, lora, inputs, distinct), lambda: forward(base, inputs), repeats, faults)
         result.update(ratios(f"{distinct}_grafts_{fraction:.3%}", times))
+        result.update(fault_medians(f"{distinct}_grafts_{fraction:.3%}", faults))
         del model, lora
     return result
 

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import importlib.util
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -109,6 +110,12 @@ def rss_gb(field: str = "VmRSS") -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024**2
     raise RuntimeError(field)
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread): memory touched for the first time since the allocator
+    got it from the system, e.g. a tensor over glibc's mmap threshold, or heap memory given back and taken again."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def reset_peak() -> None:
