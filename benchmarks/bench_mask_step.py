@@ -9,10 +9,13 @@ Timing (``--timing``): ``alternate`` (the default for the two encoder models) bu
 in one process and, after a warm-up each, times ``--repeats`` pairs per variant: a plain step and a variant step back
 to back, in turn first (plain first in even pairs). It prints the median step of each, and per variant the median and
 quartiles of the paired ratios (each variant step over the plain step beside it), which a drifting or loaded host
-moves far less than a ratio of medians. ``--clock cpu`` times the CPU time of the main thread instead of the wall
-clock: with ``--threads 1`` the step runs on it, and other processes on the host stop counting (they still share the
-caches). ``isolated`` (the default for the Llama models, which do not fit twice in memory) runs each variant alone in
-its own process, one after the other: build, one warm-up step, then ``--repeats`` timed steps. The memory of each
+moves far less than a ratio of medians. Each timed step's minor page faults are counted too and printed per variant,
+paired and alone: the trainers of one process share glibc's heap, so which step faults depends on what the others
+allocated and gave back (BENCHMARKS.md, "Page faults"). ``--clock cpu`` times the CPU time of the main thread
+instead of the wall clock: with ``--threads 1`` the step runs on it, and other processes on the host stop counting
+(they still share the caches). ``isolated`` (the default for the Llama models, which do not fit twice in memory)
+runs each variant alone in its own process, one after the other: build, one warm-up step, then ``--repeats`` timed
+steps. The memory of each
 variant is measured in its own process: peak RSS of its steps (VmHWM reset through ``/proc/self/clear_refs`` once
 the trainer is built and ``malloc_trim`` has returned what creating it freed), the RSS after loading the pre-trained
 model, and the peak while creating the trainer (``get_peft_model``; VmHWM reset after loading). With ``--device cuda``
@@ -485,8 +488,7 @@ def build_all(name: str, variants: list[str], device: str, dtype: str, cache: st
 def time_all(name: str, repeats: int, variants: list[str], device: str, dtype: str, cache: str) -> tuple[dict, dict]:
     """Paired step times in this process: per variant, ``repeats`` pairs of a plain SGD step and a variant step back to
     back, in turn first. Returns ``{variant: [(plain_s, variant_s), ...]}`` and the minor page faults of the same
-    steps, ``{variant: [(plain, variant), ...]}``: the trainers share this process's allocator, so one step can pay
-    for memory that another gave back (BENCHMARKS.md, "Page faults")."""
+    steps, ``{variant: [(plain, variant), ...]}``."""
     trainers, batch, meter = build_all(name, variants, device, dtype, cache)
     pairs = {variant: [] for variant in variants}
     faults = {variant: [] for variant in variants}

@@ -22,7 +22,8 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
 
 Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round (and,
 where LoRA runs in the rounds, of each graft variant's time over LoRA's: ``..._over_lora``); each round times the base
-and every variant back to back, in an order rotated each round (``rounds``, ``paired_ratios``). Results are appended
+and every variant back to back, in an order rotated each round (``rounds``, ``paired_ratios``). The mixed and scaling
+parts also record each call's median minor page faults (``..._faults``). Results are appended
 to ``--out`` as JSON lines as each part finishes; a part already there is skipped (resumable).
 
 Usage: ``python benchmarks/bench_mixed_batch.py [--parts design mixed scaling memory] [--repeats 5] [--out FILE]
