@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 import torch
-from testing_utils import allow_fsdp_on_cpu, clone_model, cls_dataset, fast_args, make_pair, sparse_region
+from testing_utils import (
+    allow_fsdp_on_cpu,
+    clone_model,
+    cls_dataset,
+    exit_rank,
+    fast_args,
+    make_pair,
+    sparse_region,
+)
 from transformers import Trainer
 
 from peft_graft import ContinualGrafter, Region, RestrictTrainingCallback
@@ -67,3 +75,4 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_rank()

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from datasets import Dataset
 from peft import get_peft_model
-from testing_utils import VOCAB, allow_fsdp_on_cpu, clone_model, make_pair
+from testing_utils import VOCAB, allow_fsdp_on_cpu, clone_model, exit_rank, make_pair
 from torch import nn
 
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer, MaskTrainingArguments
@@ -95,3 +95,4 @@ def main(output_dir: str, search_fraction: float | None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else None)
+    exit_rank()

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from testing_utils import allow_fsdp_on_cpu, clone_model, cls_dataset, fast_args, make_pair, sparse_region
+from testing_utils import (
+    allow_fsdp_on_cpu,
+    clone_model,
+    cls_dataset,
+    exit_rank,
+    fast_args,
+    make_pair,
+    sparse_region,
+)
 from transformers import Trainer
 
 from peft_graft import Region, RestrictTrainingCallback
@@ -74,3 +82,4 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_rank()

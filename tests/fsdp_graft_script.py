@@ -5,7 +5,7 @@ import sys
 import torch
 import torch.distributed as dist
 from peft import get_peft_model
-from testing_utils import clone_model, input_ids, make_pair
+from testing_utils import clone_model, exit_rank, input_ids, make_pair
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig
@@ -48,3 +48,4 @@ def main(kind: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_rank()

@@ -183,6 +183,15 @@ def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def exit_rank() -> None:
+    """End a torchrun script's process after its work, skipping the interpreter's finalization: a gloo rank torn down
+    there aborted now and then ("terminate called without an active exception", exit code -6) after writing its
+    results and destroying its process group. Output is flushed first; an exception before this exits as usual."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def allow_fsdp_on_cpu() -> None:
     """Let accelerate take its FSDP path on CPU processes (gloo), as it does on GPUs: it enables the FSDP plugin only
     for accelerator devices, while ``fully_shard`` itself runs on CPU. The Trainer's own FSDP2 code (accelerate's
