@@ -16,25 +16,24 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class GraftedTensors(torch.autograd.Function):
     """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
 
     Saves no dense temporary for backward (only references to S and delta, which exist anyway). One S-sized tensor per
-    call, taken from ``gradients`` (a :class:`GradientSlot`): ``gamma``, overwritten by the fp32 outputs (views of
-    it), and lent back to the slot, whose next :meth:`~GradientSlot.take` (this layer's backward, once the graph has
-    released the outputs) writes the gradient of S into it. When ``recomputing``, ``gamma`` is kept instead in
+    call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
     :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
-    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not).
+    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not), so it is taken from ``gradients`` (a
+    :class:`GradientSlot`). On a CPU a fresh tensor this size can cost more than the arithmetic on it (BENCHMARKS.md,
+    "An H200, and dense S with fewer allocations").
     """
 
     @staticmethod
     def forward(ctx, scores, movement, base, offsets, recomputing, gradients, *thetas):
         ctx.save_for_backward(scores, movement, base)
         ctx.offsets, ctx.gradients = offsets, gradients
-        gamma = torch.sigmoid(scores.detach(), out=gradients.take(scores))
+        gamma = torch.sigmoid(scores.detach(), out=gradients.take(scores) if recomputing else None)
         if base.numel():
             gamma[base] = 1.0 - gamma[base]
         # The fp32 outputs are views of one flat tensor, at the same offsets whether recomputing or not (the recipes
@@ -52,8 +51,6 @@ class GraftedTensors(torch.autograd.Function):
             outputs.append(out.view_as(theta))
         if recomputing:
             RECOMPUTED_GAMMA.put(scores, gamma)
-        else:  # free again once the graph has released the outputs: this layer's backward writes the gradient there
-            gradients.lend(gamma)
         return tuple(outputs)
 
     @staticmethod
@@ -77,22 +74,21 @@ class GraftedTensors(torch.autograd.Function):
         return (grad, None, None, None, None, None, *([None] * len(grads)))
 
 
-REUSED_BUFFER_BYTES = 1 << 20
-"""The smallest S-sized CPU tensor a :class:`GradientSlot` keeps (glibc serves smaller ones from its heap; the S of a
-RoBERTa-base linear layer is 2.4-9.4 MB)."""
+REUSED_GRADIENT_BYTES = 32 << 20
+"""glibc's largest mmap threshold: a freed block this large goes back to the system, and its next use faults."""
 
 
 class GradientSlot:
-    """One S-sized tensor per learner, used by every step twice: for the soft parameters in forward, then for the
-    gradient of S in backward, and taken back once the optimizer has let the gradient go.
+    """The tensor that held S's gradient, taken back by S's next backward once the optimizer has let it go.
 
-    Why: on a CPU, two fresh S-sized tensors per layer and step made a RoBERTa-base mask step measurably slower than
-    one kept per layer (BENCHMARKS.md, "One S-sized tensor per layer from step to step"). :meth:`take` gives the held
-    tensor only while nothing else refers to it (the forward's outputs released by the graph, ``S.grad`` set to
-    ``None`` and no one kept it), and a fresh tensor otherwise; :meth:`lend` holds the forward's tensor for the
-    backward, and a hook holds ``S.grad`` once autograd has accumulated the tensor this slot gave. Only CPU tensors of
-    at least :data:`REUSED_BUFFER_BYTES` are kept (CUDA's caching allocator reuses memory by itself): their memory
-    stays with the learner between steps.
+    Why: a backward that returns a fresh S-sized tensor lets autograd make it ``S.grad`` without a copy, but the
+    optimizer's ``zero_grad(set_to_none=True)`` frees it, and on a CPU a fresh tensor of more than 32 MiB (glibc
+    maps it anew) costs page faults on every step: the dense S of RoBERTa-base's word embeddings (154 MB) took 68-93 ms
+    of a 0.8 s step to zero (BENCHMARKS.md, "The gradient of S kept between steps"). A hook keeps ``S.grad`` once
+    autograd has accumulated the tensor this slot gave; :meth:`take` gives it again only while nothing else refers to
+    it (``S.grad`` was set to ``None`` and no one kept it), and a fresh tensor otherwise. Only CPU tensors of at
+    least :data:`REUSED_GRADIENT_BYTES` are kept (smaller ones come back from the heap without page faults, and CUDA's
+    caching allocator reuses memory by itself): this keeps their memory between steps.
     """
 
     def __init__(self) -> None:
@@ -101,8 +97,8 @@ class GradientSlot:
         self.hooked: Callable[[], torch.Tensor | None] | None = None  # a weakref to the S the hook is on
 
     def take(self, scores: torch.Tensor, zeroed: bool = False) -> torch.Tensor:
-        """An uninitialised (``zeroed``: zero) tensor like ``scores``, for its soft parameters or its gradient."""
-        if not _kept(scores):
+        """An uninitialised (``zeroed``: zero) tensor like ``scores``, to be returned as its gradient."""
+        if scores.device.type != "cpu" or scores.numel() * scores.element_size() < REUSED_GRADIENT_BYTES:
             return torch.zeros_like(scores) if zeroed else torch.empty_like(scores)
         held, self.held = self.held, None
         # Free when only this slot refers to it: one C++ reference (the tensor's Python object), as many to that object
@@ -128,11 +124,6 @@ class GradientSlot:
         self.given = tensor.data_ptr()
         return tensor
 
-    def lend(self, tensor: torch.Tensor) -> None:
-        """Hold ``tensor`` (one that :meth:`take` gave) for the next :meth:`take`, which uses it once it is free."""
-        if _kept(tensor):
-            self.held = tensor
-
     def __getstate__(self) -> dict:
         return {}  # a held tensor and the hook are runtime state: a pickled or copied model starts with an empty slot
 
@@ -143,16 +134,6 @@ class GradientSlot:
         grad = scores.grad
         if grad is not None and grad.data_ptr() == self.given and grad._base is None:
             self.held = grad
-
-
-def _kept(tensor: torch.Tensor) -> bool:
-    """Whether a :class:`GradientSlot` keeps tensors like ``tensor``: plain CPU tensors of :data:`REUSED_BUFFER_BYTES`
-    or more (not a tensor subclass such as FSDP2's DTensor, whose memory is its own)."""
-    return (
-        tensor.device.type == "cpu"
-        and tensor.numel() * tensor.element_size() >= REUSED_BUFFER_BYTES
-        and not is_traceable_wrapper_subclass(tensor)
-    )
 
 
 def _storage_references(tensor: torch.Tensor) -> int:
