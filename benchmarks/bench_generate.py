@@ -7,10 +7,9 @@ on), with a clock that ``generate`` calls after every token it produces (:class:
 that never stops): prefill is the time to the first token, the per-token decode cost the median of the N steps after
 it, so that a slow step (another process, the allocator) moves it less than it moved a difference of two whole calls.
 Ratios to the base's, and each graft variant's to LoRA's, in the same round give the median and quartiles
-(``bench_mixed_batch.ratios``). Variants: the
-grafts' mixed batch (``adapter_names``) in the exact mode and in the ``"sparse_delta"`` mode
-(``model.set_mixed_batch_mode``), one graft for the whole batch, and peft LoRA (r = 8 on q_proj and v_proj, 8
-adapters) in a mixed batch.
+(``bench_mixed_batch.ratios``). Variants: the grafts' mixed batch (``adapter_names``) in the exact mode and in the
+``"sparse_delta"`` mode (``model.set_mixed_batch_mode``), one graft for the whole batch, and peft LoRA (r = 8 on
+q_proj and v_proj, 8 adapters) in a mixed batch.
 
 Usage: ``python benchmarks/bench_generate.py [--repeats 5] [--new_tokens 16] [--out FILE]`` (appends one JSON line)
 """

@@ -15,13 +15,11 @@ allocated and gave back (BENCHMARKS.md, "Page faults"). ``--clock cpu`` times th
 instead of the wall clock: with ``--threads 1`` the step runs on it, and other processes on the host stop counting
 (they still share the caches). ``isolated`` (the default for the Llama models, which do not fit twice in memory)
 runs each variant alone in its own process, one after the other: build, one warm-up step, then ``--repeats`` timed
-steps. The memory of each
-variant is measured in its own process: peak RSS of its steps (VmHWM reset through ``/proc/self/clear_refs`` once
-the trainer is built and ``malloc_trim`` has returned what creating it freed), the RSS after loading the pre-trained
-model, and the peak while creating the trainer (``get_peft_model``; VmHWM reset after loading). With ``--device cuda``
-the memory is
-``torch.cuda.max_memory_allocated`` (reset the same way) and the steps are timed between ``torch.cuda.synchronize()``
-calls.
+steps. The memory of each variant is measured in its own process: peak RSS of its steps (VmHWM reset through
+``/proc/self/clear_refs`` once the trainer is built and ``malloc_trim`` has returned what creating it freed), the RSS
+after loading the pre-trained model, and the peak while creating the trainer (``get_peft_model``; VmHWM reset after
+loading). With ``--device cuda`` the memory is ``torch.cuda.max_memory_allocated`` (reset the same way) and the steps
+are timed between ``torch.cuda.synchronize()`` calls.
 
 ``--search none 0.01 reference`` (the default; ``none 0.01`` for the Llama models) times the paper's dense S
 (``none``), ``GraftConfig(search_fraction=0.01)`` (S on the top 1% movement entries plus gamma_base; an int is
@@ -341,6 +339,13 @@ def step(trainer: Trainer | ReferenceGraft, batch: dict[str, torch.Tensor], mete
     return elapsed + clock() - start
 
 
+def faulted_step(trainer: Trainer | ReferenceGraft, batch: dict[str, torch.Tensor], meter: Meter) -> tuple[float, int]:
+    """:func:`step`, and the minor page faults this process took during it."""
+    before = minor_faults()
+    seconds = step(trainer, batch, meter)
+    return seconds, minor_faults() - before
+
+
 def nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
@@ -441,11 +446,8 @@ def run_variant(name: str, variant: str, repeats: int, device: str, dtype: str, 
     meter.reset()
     state = {}
     step(trainer, batch, meter, probe=lambda t: state.update(kept_state(t)))  # warm-up
-    times, faults = [], []
-    for _ in range(repeats):
-        before = minor_faults()
-        times.append(step(trainer, batch, meter))
-        faults.append(minor_faults() - before)
+    timed = [faulted_step(trainer, batch, meter) for _ in range(repeats)]
+    times, faults = [seconds for seconds, _ in timed], [count for _, count in timed]
     peak = meter.peak()
     return {
         "variant": variant,
@@ -495,14 +497,12 @@ def time_all(name: str, repeats: int, variants: list[str], device: str, dtype: s
     for i in range(repeats):
         for variant in variants:
             order = ("plain", variant) if i % 2 == 0 else (variant, "plain")
-            timed, faulted = {}, {}
+            timed = {}
             for key in order:
                 use_variant(key)
-                before = minor_faults()
-                timed[key] = step(trainers[key], batch, meter)
-                faulted[key] = minor_faults() - before
-            pairs[variant].append((timed["plain"], timed[variant]))
-            faults[variant].append((faulted["plain"], faulted[variant]))
+                timed[key] = faulted_step(trainers[key], batch, meter)
+            pairs[variant].append((timed["plain"][0], timed[variant][0]))
+            faults[variant].append((timed["plain"][1], timed[variant][1]))
     return pairs, faults
 
 
@@ -770,7 +770,7 @@ def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, fl
         })  # fmt: skip
 
 
-def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | None, faults: dict | None = None) -> dict:
+def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | None, faults: dict | None) -> dict:
     """Print the side-by-side table, the targets, each mask variant against the reference step and the on-paper
     accounting; return the JSON record."""
     unit = "GiB allocated on the GPU" if args.device == "cuda" else "GiB RSS"
