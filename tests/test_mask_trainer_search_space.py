@@ -10,8 +10,10 @@ import torch
 from peft import PeftModel, get_peft_model
 from testing_utils import VOCAB, clone_model, cls_dataset, fast_args, learning_graft, make_pair, scores
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer
 
+import peft_graft.tuner.layer as graft_layer
 from peft_graft import GraftConfig, GraftLayer, MaskTrainer
 from peft_graft.tuner import autograd
 
@@ -186,8 +188,8 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
     made = []
     soft_parameters = GraftLayer.soft_parameters
 
-    def recording(self, adapter_name, **kwargs):
-        out = soft_parameters(self, adapter_name, **kwargs)
+    def recording(self, adapter_name, *args, **kwargs):
+        out = soft_parameters(self, adapter_name, *args, **kwargs)
         if torch.is_grad_enabled():
             made.extend(weakref.ref(t) for t in out.values())
         return out
@@ -213,10 +215,45 @@ def test_dense_soft_parameters_are_recomputed_not_kept_for_backward(arch, monkey
         layer.recompute_soft_parameters = False  # the default
     taken.clear()
     kept, reference = run()
-    assert kept > 0 and taken and not any(t is not None for t in taken)  # without the hooks, F.linear & co. keep them
+    assert kept > 0 and not taken  # without the hooks F.linear & co. keep them, and the backward needs no gamma
     assert ours.keys() == reference.keys() and ours
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-10)
+
+
+class _CountedOp(TorchDispatchMode):
+    """Counts the calls of one ATen operator (any overload) while active."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket is self.op
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_kept_soft_parameters_take_one_sigmoid_per_layer_and_step(recompute, monkeypatch):
+    """Keeping the soft parameters (the default), each dense layer's forward keeps ``sigmoid'(S) * delta`` too: its
+    backward computes no sigmoid again. Rebuilding them (``recompute_soft_parameters``) keeps nothing: backward
+    computes sigmoid again in the rebuilds."""
+    monkeypatch.setattr(graft_layer, "GRAFT_EMBEDDING_ROWS", False)  # every layer through GraftedTensors
+    _, model = learning_graft("roberta_cls")
+    layers = learning_layers(model)
+    for layer in model.base_model.graft_layers().values():
+        layer.recompute_soft_parameters = recompute
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    with _CountedOp(torch.ops.aten.sigmoid) as forward:
+        loss = model(input_ids=ids, labels=torch.tensor([0, 1])).loss
+    with _CountedOp(torch.ops.aten.sigmoid) as backward:
+        loss.backward()
+    assert forward.calls == len(layers) > 0
+    if recompute:  # a rebuild per saved tensor (a weight and a bias: two), the last one's gamma reused
+        assert backward.calls >= len(layers)
+    else:
+        assert backward.calls == 0
+    assert all(layer.learner("default").scores.grad.abs().sum() > 0 for layer in layers.values())
 
 
 def test_candidate_outputs_are_reused_across_steps_only_once_released():

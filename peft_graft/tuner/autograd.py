@@ -14,32 +14,42 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
+from typing import Literal
 
 import torch
+
+SoftBackward = Literal["keep", "recompute", "rebuild"]
+"""How the backward of :class:`GraftedTensors` gets ``sigmoid'(S)``, by what the layers do with the soft parameters:
+``"keep"`` (they keep them for backward; the forward keeps ``sigmoid'(S) * delta`` too), ``"recompute"`` (they rebuild
+them in backward through :class:`RecomputeSoftParameters`; the forward keeps nothing), ``"rebuild"`` (that rebuild: its
+``gamma`` goes to :data:`RECOMPUTED_GAMMA` for the backward that follows)."""
 
 
 class GraftedTensors(torch.autograd.Function):
     """``theta_pre + gamma(S) * delta`` for every tensor a layer stores, with ``gamma`` of paper Eq. 4.
 
-    Saves no dense temporary for backward (only references to S and delta, which exist anyway). One S-sized tensor per
-    call: ``gamma``, overwritten by the fp32 outputs (views of it); when ``recomputing``, ``gamma`` is kept instead in
-    :data:`RECOMPUTED_GAMMA` and becomes the gradient of S in this layer's backward, which comes next (its
-    ``gamma * (1 - gamma)`` is ``sigmoid'(S)``, flipped on gamma_base or not), so it is taken from ``gradients`` (a
-    :class:`GradientSlot`). On a CPU a fresh tensor this size can cost more than the arithmetic on it (BENCHMARKS.md,
-    "An H200, and dense S with fewer allocations").
+    The fp32 outputs are views of one flat S-sized tensor. Saved for backward, by ``mode`` (:data:`SoftBackward`):
+    ``"keep"``, ``sigmoid'(S) * delta`` (flipped on gamma_base or not, ``gamma * (1 - gamma)`` is the same), computed
+    where ``gamma`` was, in the tensor that becomes the gradient of S: the backward is one multiplication by the
+    incoming gradient, no second sigmoid. A CPU step of RoBERTa-base took 0.85x the time of computing ``sigmoid(S)``
+    again in backward, for an S-sized tensor more from forward to backward (BENCHMARKS.md, "Lockstep processes").
+    ``"recompute"``: only references to S and delta (which exist anyway), and ``gamma`` is overwritten by the outputs;
+    the backward takes the ``gamma`` of the rebuild (``"rebuild"``), kept in :data:`RECOMPUTED_GAMMA`, or computes it
+    again. The tensor that becomes the gradient of S comes from ``gradients`` (a :class:`GradientSlot`).
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, base, offsets, recomputing, gradients, *thetas):
+    def forward(ctx, scores, movement, base, offsets, mode: SoftBackward, gradients, *thetas):
         ctx.save_for_backward(scores, movement, base)
-        ctx.offsets, ctx.gradients = offsets, gradients
-        gamma = torch.sigmoid(scores.detach(), out=gradients.take(scores) if recomputing else None)
+        ctx.offsets, ctx.gradients, ctx.derivative = offsets, gradients, None
+        derive = mode == "keep" and ctx.needs_input_grad[0]
+        separate = derive or mode == "rebuild"  # gamma is still needed once the outputs are written
+        gamma = torch.sigmoid(scores.detach(), out=gradients.take(scores) if separate else None)
         if base.numel():
             gamma[base] = 1.0 - gamma[base]
-        # The fp32 outputs are views of one flat tensor, at the same offsets whether recomputing or not (the recipes
-        # of RecomputeSoftParameters rebuild a saved view by its storage offset): in place of gamma, which the forward
-        # no longer needs, or beside it when recomputing.
-        flat_out = torch.empty_like(gamma) if recomputing else gamma
+        # The outputs sit at the same offsets in every mode (the recipes of RecomputeSoftParameters rebuild a saved
+        # view by its storage offset): in place of gamma, or beside it.
+        flat_out = torch.empty_like(gamma) if separate else gamma
         outputs = []
         for i, theta in enumerate(thetas):
             a, b = offsets[i], offsets[i + 1]
@@ -49,7 +59,9 @@ class GraftedTensors(torch.autograd.Function):
             else:
                 out = torch.addcmul(flat.float(), gamma[a:b], movement[a:b]).to(theta.dtype)
             outputs.append(out.view_as(theta))
-        if recomputing:
+        if derive:  # delta * gamma * (1 - gamma), in place
+            ctx.derivative = torch.ops.aten.sigmoid_backward.grad_input(movement, gamma, grad_input=gamma)
+        elif mode == "rebuild":
             RECOMPUTED_GAMMA.put(scores, gamma)
         return tuple(outputs)
 
@@ -57,7 +69,10 @@ class GraftedTensors(torch.autograd.Function):
     def backward(ctx, *grads):
         scores, movement, base = ctx.saved_tensors
         offsets = ctx.offsets
-        grad = RECOMPUTED_GAMMA.take(scores)  # overwritten by the gradient
+        grad, ctx.derivative = ctx.derivative, None  # the only reference: autograd makes it S.grad without a copy
+        derived = grad is not None
+        if not derived:
+            grad = RECOMPUTED_GAMMA.take(scores)  # overwritten by the gradient
         if grad is None:  # not flipped: gamma * (1 - gamma) is the same
             grad = torch.sigmoid(scores.detach(), out=ctx.gradients.take(scores))
         for i, g in enumerate(grads):
@@ -65,10 +80,11 @@ class GraftedTensors(torch.autograd.Function):
             part = grad[a:b]
             if g is None:
                 part.zero_()
-                continue
-            # d/dS of sigmoid(S) * delta, in place: g * gamma * (1 - gamma), then times delta
-            torch.ops.aten.sigmoid_backward.grad_input(g.reshape(-1).float(), part, grad_input=part)
-            part.mul_(movement[a:b])
+            elif derived:
+                part.mul_(g.reshape(-1))
+            else:  # d/dS of sigmoid(S) * delta, in place: g * gamma * (1 - gamma), then times delta
+                torch.ops.aten.sigmoid_backward.grad_input(g.reshape(-1).float(), part, grad_input=part)
+                part.mul_(movement[a:b])
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
         return (grad, None, None, None, None, None, *([None] * len(grads)))

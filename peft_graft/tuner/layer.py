@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
 from ..sharding import is_sharded, read_entries
-from .autograd import RecomputeSoftParameters
+from .autograd import RecomputeSoftParameters, SoftBackward
 from .entries import SparseEntries, check_entries, entries_of, graft_entries
 from .in_place import (
     FORWARDS,
@@ -375,9 +375,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         indices, _ = self.entries(adapter_name)
         return {attr: local for attr, local, _ in self.space.split(indices)}
 
-    def soft_parameters(self, adapter_name: str, recomputing: bool = False) -> dict[str, torch.Tensor]:
+    def soft_parameters(self, adapter_name: str, mode: SoftBackward = "keep") -> dict[str, torch.Tensor]:
         """The learning adapter's grafted tensors, differentiable in S (see :meth:`RegionLearner.soft_parameters`)."""
-        return self.graft_learning[adapter_name].soft_parameters(self.base_layer, recomputing)
+        return self.graft_learning[adapter_name].soft_parameters(self.base_layer, mode)
 
     def base_values(self, indices: torch.Tensor) -> torch.Tensor:
         """Current values of the stored tensors at flat ``indices`` (as fp32); a collective when FSDP2 shards them
@@ -620,7 +620,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 if learner is not None and learner.hard is None:
                     key = (id(layer), adapter_name)
                     if key not in soft:
-                        soft[key] = layer.soft_parameters(adapter_name)
+                        mode = "recompute" if self.recompute_soft_parameters else "keep"
+                        soft[key] = layer.soft_parameters(adapter_name, mode)
                     if source_attr not in soft[key]:  # no search-space entry in this tensor: theta_pre
                         continue
                     # Soft graft of the learning adapter, plus what earlier adapters added to this tensor. Only dense
@@ -963,7 +964,7 @@ def check_scale(scale: object, name: str = "scale") -> float:
 
 def _rebuilder(layer: GraftLayer, adapter_name: str):
     """A function recomputing ``layer``'s soft parameters of ``adapter_name`` (for ``RecomputeSoftParameters``)."""
-    return lambda: layer.soft_parameters(adapter_name, recomputing=True)
+    return lambda: layer.soft_parameters(adapter_name, "rebuild")
 
 
 def _sharding(base_layer: nn.Module, stored_attrs: list[str]) -> str | None:

@@ -21,6 +21,7 @@ from .autograd import (
     GraftedSearchSpace,
     GraftedTensors,
     LinearPattern,
+    SoftBackward,
     SparseLinearDelta,
 )
 
@@ -137,12 +138,12 @@ class RegionLearner(nn.Module):
             return int(((self.gamma() >= 0.5) & self.moved()).sum())
 
     # ------------------------------------------------------------------------------------------ grafted tensors
-    def soft_parameters(self, base_layer: nn.Module, recomputing: bool = False) -> dict[str, torch.Tensor]:
+    def soft_parameters(self, base_layer: nn.Module, mode: SoftBackward = "keep") -> dict[str, torch.Tensor]:
         """``theta_pre + gamma(S) * delta`` for the stored tensors of ``base_layer``, differentiable in S.
 
         With a search space, only the tensors holding some of it are returned (the others are ``theta_pre``).
-        ``recomputing``: rebuilt in backward by ``RecomputeSoftParameters`` (dense only), whose gamma is kept for
-        this layer's backward.
+        ``mode`` (dense only): whether the layers keep them for backward, rebuild them there through
+        ``RecomputeSoftParameters``, or this is that rebuild (see ``SoftBackward``).
         """
         scores, movement = self.scores, self._movement()
         if self.search_indices is not None:
@@ -155,9 +156,7 @@ class RegionLearner(nn.Module):
             return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(base_layer, attr) for attr in self.space.attrs]
         offsets = [int(o) for o in self.space.offsets]
-        outputs = GraftedTensors.apply(
-            scores, movement, self.base_region, offsets, recomputing, self._gradients, *thetas
-        )
+        outputs = GraftedTensors.apply(scores, movement, self.base_region, offsets, mode, self._gradients, *thetas)
         return dict(zip(self.space.attrs, outputs, strict=True))
 
     def linear_delta(
