@@ -5,17 +5,19 @@
     python benchmarks/bench_mask_step.py --model llama-1b-random --search 0.01 --repeats 3   # 1.24B causal LM, 2 x 64
     python benchmarks/bench_mask_step.py --model llama-1b-random --device cuda --dtype bfloat16 --search none 0.01
 
-Timing (``--timing``): ``alternate`` (the default for the two encoder models) builds plain SGD and every mask variant
-in one process and, after a warm-up each, times ``--repeats`` pairs per variant: a plain step and a variant step back
-to back, in turn first (plain first in even pairs). It prints the median step of each, and per variant the median and
-quartiles of the paired ratios (each variant step over the plain step beside it), which a drifting or loaded host
-moves far less than a ratio of medians. Each timed step's minor page faults are counted too and printed per variant,
-paired and alone: the trainers of one process share glibc's heap, so which step faults depends on what the others
-allocated and gave back (BENCHMARKS.md, "Page faults"). ``--clock cpu`` times the CPU time of the main thread
-instead of the wall clock: with ``--threads 1`` the step runs on it, and other processes on the host stop counting
-(they still share the caches). ``isolated`` (the default for the Llama models, which do not fit twice in memory)
-runs each variant alone in its own process, one after the other: build, one warm-up step, then ``--repeats`` timed
-steps. The memory of each variant is measured in its own process: peak RSS of its steps (VmHWM reset through
+Timing (``--timing``): ``lockstep`` (the default for the two encoder models) builds plain SGD and every mask variant
+each in its own process (one after the other) and, after a warm-up each, times ``--repeats`` pairs per variant: a plain
+step and a variant step back to back, in turn first (plain first in even pairs), each process stepping when this one
+tells it to. It prints the median step of each, and per variant the median and quartiles of the paired ratios (each
+variant step over the plain step beside it), which a drifting or loaded host moves far less than a ratio of medians.
+``alternate`` times the same pairs with every trainer in this process: there the trainers share glibc's heap, so which
+step takes page faults for fresh memory depends on what the other trainers allocated and gave back (BENCHMARKS.md, "Page
+faults" and "Lockstep processes"); in lockstep each trainer has the heap it would have alone. Each timed step's minor
+page faults are counted and printed per variant, paired and in the memory processes. ``--clock cpu`` times the CPU time
+of the main thread instead of the wall clock: with ``--threads 1`` the step runs on it, and other processes on the host
+stop counting (they still share the caches). ``isolated`` (the default for the Llama models, which do not fit twice in
+memory) runs each variant alone in its own process, one after the other: build, one warm-up step, then ``--repeats``
+timed steps. The memory of each variant is measured in its own process: peak RSS of its steps (VmHWM reset through
 ``/proc/self/clear_refs`` once the trainer is built and ``malloc_trim`` has returned what creating it freed), the RSS
 after loading the pre-trained model, and the peak while creating the trainer (``get_peft_model``; VmHWM reset after
 loading). With ``--device cuda`` the memory is ``torch.cuda.max_memory_allocated`` (reset the same way) and the steps
@@ -63,14 +65,17 @@ need on one 80 GB GPU (:func:`bytes_per_parameter`, :func:`on_paper`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -488,22 +493,70 @@ def build_all(name: str, variants: list[str], device: str, dtype: str, cache: st
 
 
 def time_all(name: str, repeats: int, variants: list[str], device: str, dtype: str, cache: str) -> tuple[dict, dict]:
-    """Paired step times in this process: per variant, ``repeats`` pairs of a plain SGD step and a variant step back to
-    back, in turn first. Returns ``{variant: [(plain_s, variant_s), ...]}`` and the minor page faults of the same
-    steps, ``{variant: [(plain, variant), ...]}``."""
+    """Paired step times in this process (``--timing alternate``): see :func:`pair_steps`."""
     trainers, batch, meter = build_all(name, variants, device, dtype, cache)
+
+    def timed(key: str) -> tuple[float, int]:
+        use_variant(key)
+        return faulted_step(trainers[key], batch, meter)
+
+    return pair_steps(repeats, variants, timed)
+
+
+def pair_steps(repeats: int, variants: list[str], timed: Callable[[str], tuple[float, int]]) -> tuple[dict, dict]:
+    """Per variant, ``repeats`` pairs of a plain SGD step and a variant step back to back, in turn first; ``timed(key)``
+    runs one step of trainer ``key`` and returns its seconds and minor page faults. Returns ``{variant: [(plain_s,
+    variant_s), ...]}`` and the faults of the same steps, ``{variant: [(plain, variant), ...]}``."""
     pairs = {variant: [] for variant in variants}
     faults = {variant: [] for variant in variants}
     for i in range(repeats):
         for variant in variants:
             order = ("plain", variant) if i % 2 == 0 else (variant, "plain")
-            timed = {}
-            for key in order:
-                use_variant(key)
-                timed[key] = faulted_step(trainers[key], batch, meter)
-            pairs[variant].append((timed["plain"][0], timed[variant][0]))
-            faults[variant].append((timed["plain"][1], timed[variant][1]))
+            steps = {key: timed(key) for key in order}
+            pairs[variant].append((steps["plain"][0], steps[variant][0]))
+            faults[variant].append((steps["plain"][1], steps[variant][1]))
     return pairs, faults
+
+
+def lockstep_worker(args: argparse.Namespace, key: str, connection) -> None:
+    """One trainer (``plain`` or a variant) in this process for ``--timing lockstep``: built and warmed up, then one
+    timed step per ``True`` received, its seconds and minor page faults sent back; ``False`` ends it."""
+    configure(args)
+    meter = Meter(args.device)
+    trainer, batch, _ = build(args.model, key, args.device, args.dtype, args.cache, meter)
+    step(trainer, batch, meter)  # warm-up
+    connection.send("ready")
+    while connection.recv():
+        connection.send(faulted_step(trainer, batch, meter))
+
+
+def time_lockstep(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The pairs of :func:`pair_steps` with each trainer in its own process (``--timing lockstep``), stepped in turns
+    from this one: paired in time as in one process, but each trainer has the heap it would have alone."""
+    context = multiprocessing.get_context("spawn")  # fresh interpreters: no heap or threads shared with this one
+    connections, workers = {}, []
+    try:
+        for key in ["plain", *args.search]:  # built one at a time: their creation peaks do not add up
+            parent, child = context.Pipe()
+            worker = context.Process(target=lockstep_worker, args=(args, key, child), daemon=True)
+            worker.start()
+            child.close()  # the worker's end: a worker that dies makes recv() raise EOFError
+            workers.append(worker)
+            connections[key] = parent
+            if parent.recv() != "ready":
+                raise RuntimeError(f"the lockstep worker of {key!r} did not start")
+
+        def timed(key: str) -> tuple[float, int]:
+            connections[key].send(True)
+            return connections[key].recv()
+
+        return pair_steps(args.repeats, args.search, timed)
+    finally:
+        for connection in connections.values():
+            with contextlib.suppress(BrokenPipeError, OSError):  # a worker that died
+                connection.send(False)
+        for worker in workers:
+            worker.join()
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -777,8 +830,11 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
     plain = results["plain"]
     if pairs is not None:
         paired_times(results, pairs, faults)
-    how = f"{args.repeats} pairs (plain, variant) alternating in one process" if pairs is not None else (
-        f"median of {args.repeats} after a warm-up, each variant in its own process")  # fmt: skip
+    how = {
+        "lockstep": f"{args.repeats} pairs (plain, variant) alternating, each trainer in its own process",
+        "alternate": f"{args.repeats} pairs (plain, variant) alternating in one process",
+        "isolated": f"median of {args.repeats} after a warm-up, each variant in its own process",
+    }[args.timing]
     print(f"step time ({args.clock} clock): {how}; memory: each variant alone ({unit})")
     header = f"{'load':>6} {'creation':>8} {'ready':>6} {'peak':>6} {'+load':>6}"
     print(f"  {'variant':<22} {'step':>8} {'ratio':>6}  {header}  steps")
@@ -801,7 +857,7 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
                 f"  paired ratio, search={variant}: median {result['paired_ratio']:.3f} (quartiles {low:.3f}-"
                 f"{high:.3f}) over {len(result['paired_ratios'])} pairs: {fmt(result['paired_ratios'])}"
             )
-    for key, where in (("faults_per_step", "in the paired process"), ("faults_alone_per_step", "each alone")):
+    for key, where in (("faults_per_step", "paired"), ("faults_alone_per_step", "in the memory processes")):
         counts = [f"{variant} {result[key]:.0f}" for variant, result in results.items() if result.get(key) is not None]
         if counts:
             print(f"  minor page faults per step {where} (median): {', '.join(counts)}")
@@ -842,12 +898,23 @@ def report(args: argparse.Namespace, results: dict[str, dict], pairs: dict | Non
         "device": args.device,
         "dtype": args.dtype,
         "threads": args.threads,
-        "timing": "alternate" if pairs is not None else "isolated",
+        "timing": args.timing,
         "clock": args.clock,
         "repeats": args.repeats,
         "results": results,
         "per_parameter": measured,
     }
+
+
+def configure(args: argparse.Namespace) -> None:
+    """This process's torch threads, clock and batch as the command line sets them (also in lockstep workers)."""
+    torch.set_num_threads(args.threads)
+    global clock
+    clock = CLOCKS[args.clock]
+    if args.batch:
+        size, length = (int(x) for x in args.batch.lower().split("x"))
+        MODELS[args.model] = dataclasses.replace(MODELS[args.model], batch=(size, length))
+    hf_logging.set_verbosity_error()
 
 
 def main() -> None:
@@ -860,8 +927,8 @@ def main() -> None:
         help="mask variants: none (dense S), a search fraction or count, with suffixes (see above), reference (the "
         "paper's code); default: none 0.01 reference, and none 0.01 for the Llama models",
     )
-    parser.add_argument("--timing", choices=["auto", "alternate", "isolated"], default="auto",
-                        help="auto: alternate for the encoder models, isolated for the Llama models")  # fmt: skip
+    parser.add_argument("--timing", choices=["auto", "lockstep", "alternate", "isolated"], default="auto",
+                        help="auto: lockstep for the encoder models, isolated for the Llama models")  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -878,13 +945,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.search is None:
         args.search = ["none", "0.01"] + ([REFERENCE] if MODELS[args.model].llama is None else [])
-    torch.set_num_threads(args.threads)
-    global clock
-    clock = CLOCKS[args.clock]
-    if args.batch:
-        size, length = (int(x) for x in args.batch.lower().split("x"))
-        MODELS[args.model] = dataclasses.replace(MODELS[args.model], batch=(size, length))
-    hf_logging.set_verbosity_error()
+    if args.timing == "auto":
+        args.timing = "isolated" if MODELS[args.model].llama is not None else "lockstep"
+    configure(args)
     if args.prepare:
         prepare_finetuned(args.model, args.dtype, args.cache)
         return
@@ -900,7 +963,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return
     size, length = MODELS[args.model].batch
-    isolated = args.timing == "isolated" or (args.timing == "auto" and MODELS[args.model].llama is not None)
+    isolated = args.timing == "isolated"
     count = num_parameters(args.model)
     print(
         f"model={args.model}{f' ({count / 1e6:.1f}M parameters)' if count else ''} batch={size}x{length} "
@@ -916,7 +979,9 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(record, indent=1))
         return
     pairs = faults = None
-    if not isolated:
+    if args.timing == "lockstep":
+        pairs, faults = time_lockstep(args)
+    elif args.timing == "alternate":
         pairs, faults = time_all(args.model, args.repeats, args.search, args.device, args.dtype, args.cache)
     results = {}
     for variant in ["plain", *args.search]:

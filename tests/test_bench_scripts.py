@@ -4,6 +4,7 @@ tables and figure."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -76,6 +77,29 @@ def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path, monkeypatc
     assert figures["none"]["dense"] and 12 <= figures["none"]["bytes_per_parameter"] < 12.01
     lines = "\n".join(B.on_paper(figures, [0.01]))
     assert "mask, dense S (paper)               14.00" in lines and "7B GiB" in lines and "70B GiB" in lines
+
+
+def test_pairs_alternate_which_step_comes_first():
+    calls = []
+    pairs, faults = B.pair_steps(3, ["none", "0.01"], lambda key: calls.append(key) or (len(calls), 10 * len(calls)))
+    rounds = [["plain", "none", "plain", "0.01"], ["none", "plain", "0.01", "plain"]]  # plain first in even rounds
+    assert calls == [*rounds[0], *rounds[1], *rounds[0]]
+    assert pairs["none"] == [(1, 2), (6, 5), (9, 10)] and pairs["0.01"] == [(3, 4), (8, 7), (11, 12)]
+    assert faults["none"] == [(10, 20), (60, 50), (90, 100)]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_lockstep_steps_each_trainer_in_its_own_process(tmp_path, monkeypatch):
+    M.prepare_finetuned(TINY, "float32", str(tmp_path))
+    args = argparse.Namespace(model=TINY, search=["none"], repeats=2, device="cpu", dtype="float32",
+                              cache=str(tmp_path), threads=1, clock="wall", batch=None)  # fmt: skip
+    steps = []
+    monkeypatch.setattr(B, "faulted_step", lambda *a: steps.append(a))  # this process's: never called
+    pairs, faults = B.time_lockstep(args)
+    assert not steps
+    assert len(pairs["none"]) == len(faults["none"]) == 2
+    assert all(seconds > 0 for pair in pairs["none"] for seconds in pair)
+    assert all(isinstance(count, int) and count >= 0 for pair in faults["none"] for count in pair)
 
 
 def test_cost_growth_tables_and_figure(tmp_path):
