@@ -160,7 +160,7 @@ def test_keep_best_mask_refuses_a_dict_of_evaluation_sets(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ gradient
-def _reference_grafted(scores, movement, base, offsets, mode, gradients, *thetas):
+def _reference_grafted(scores, movement, base, offsets, mode, gradients, pool, *thetas):
     """Eq. 4 with plain autograd ops (the dense formula the custom autograd Function replaces)."""
     gamma = torch.sigmoid(scores)
     gamma = gamma.index_put((base,), 1.0 - gamma[base])

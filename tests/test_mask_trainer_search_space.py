@@ -256,14 +256,20 @@ def test_kept_soft_parameters_take_one_sigmoid_per_layer_and_step(recompute, mon
     assert all(layer.learner("default").scores.grad.abs().sum() > 0 for layer in layers.values())
 
 
-def test_candidate_outputs_are_reused_across_steps_only_once_released():
-    _, model = learning_graft("roberta_cls", search_fraction=0.05)
+@pytest.mark.parametrize("search_fraction", [0.05, None])
+def test_soft_parameter_outputs_are_reused_across_steps_only_once_released(search_fraction):
+    """The search space's outputs, and dense S's while the layers keep them (the default), come from the learner's
+    ``BufferPool``: the same memory each step once a backward released it, and the same gradients."""
+    _, model = learning_graft("roberta_cls", search_fraction=search_fraction)
     model.train()
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
     labels = torch.tensor([0, 1])
     layers = learning_layers(model).values()
     layer = next(
-        m for m in layers if m.learner("default").search_indices.numel() and not isinstance(m.base_layer, nn.Embedding)
+        m
+        for m in layers
+        if (search_fraction is None or m.learner("default").search_indices.numel())
+        and not isinstance(m.base_layer, nn.Embedding)
     )
 
     def grads():

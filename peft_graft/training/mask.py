@@ -80,7 +80,8 @@ class MaskTrainingArguments(TrainingArguments):
             example. ``None``: the best selection metric wins, however small the margin (the paper).
         recompute_soft_parameters: With dense S, rebuild ``theta_pre + gamma * delta`` of every learning layer in
             backward instead of letting the layers' ops keep it from the forward, as ``gradient_checkpointing`` does
-            for activations: saves one copy of those layers' parameters (in the model's dtype) while the forward's
+            for activations: saves one copy of those layers' parameters (in the model's dtype) and one fp32 tensor
+            of their size (``sigmoid'(S) * delta``, kept otherwise for the gradient of S) while the forward's
             activations are held, at the cost of a sigmoid and a multiply-add over them per step. ``None``: on under
             FSDP (where memory is why the model is sharded), off otherwise.
     """

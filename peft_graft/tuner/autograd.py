@@ -31,25 +31,30 @@ class GraftedTensors(torch.autograd.Function):
     The fp32 outputs are views of one flat S-sized tensor. Saved for backward, by ``mode`` (:data:`SoftBackward`):
     ``"keep"``, ``sigmoid'(S) * delta`` (flipped on gamma_base or not, ``gamma * (1 - gamma)`` is the same), computed
     where ``gamma`` was, in the tensor that becomes the gradient of S: the backward is one multiplication by the
-    incoming gradient, no second sigmoid. A CPU step of RoBERTa-base took 0.85x the time of computing ``sigmoid(S)``
-    again in backward, for an S-sized tensor more from forward to backward (BENCHMARKS.md, "Lockstep processes").
+    incoming gradient, no second sigmoid, for an S-sized tensor more from forward to backward; the outputs are then
+    written into ``pool``'s buffer (a :class:`BufferPool`), released by the backward, so that a step takes no fresh
+    S-sized memory (BENCHMARKS.md, "Lockstep processes").
     ``"recompute"``: only references to S and delta (which exist anyway), and ``gamma`` is overwritten by the outputs;
     the backward takes the ``gamma`` of the rebuild (``"rebuild"``), kept in :data:`RECOMPUTED_GAMMA`, or computes it
     again. The tensor that becomes the gradient of S comes from ``gradients`` (a :class:`GradientSlot`).
     """
 
     @staticmethod
-    def forward(ctx, scores, movement, base, offsets, mode: SoftBackward, gradients, *thetas):
+    def forward(ctx, scores, movement, base, offsets, mode: SoftBackward, gradients, pool, *thetas):
         ctx.save_for_backward(scores, movement, base)
-        ctx.offsets, ctx.gradients, ctx.derivative = offsets, gradients, None
+        ctx.offsets, ctx.gradients, ctx.derivative, ctx.pool = offsets, gradients, None, None
         derive = mode == "keep" and ctx.needs_input_grad[0]
         separate = derive or mode == "rebuild"  # gamma is still needed once the outputs are written
         gamma = torch.sigmoid(scores.detach(), out=gradients.take(scores) if separate else None)
         if base.numel():
             gamma[base] = 1.0 - gamma[base]
         # The outputs sit at the same offsets in every mode (the recipes of RecomputeSoftParameters rebuild a saved
-        # view by its storage offset): in place of gamma, or beside it.
-        flat_out = torch.empty_like(gamma) if separate else gamma
+        # view by its storage offset): in place of gamma, or beside it, in the pool's buffer while keeping.
+        flat_out = gamma
+        if separate:
+            buffers = pool.acquire((gamma,)) if derive and pool is not None else None
+            ctx.pool = pool if buffers is not None else None
+            flat_out = buffers[0] if buffers is not None else torch.empty_like(gamma)
         outputs = []
         for i, theta in enumerate(thetas):
             a, b = offsets[i], offsets[i + 1]
@@ -69,6 +74,8 @@ class GraftedTensors(torch.autograd.Function):
     def backward(ctx, *grads):
         scores, movement, base = ctx.saved_tensors
         offsets = ctx.offsets
+        if ctx.pool is not None:  # the layers that read the outputs have run their backward
+            ctx.pool.release()
         grad, ctx.derivative = ctx.derivative, None  # the only reference: autograd makes it S.grad without a copy
         derived = grad is not None
         if not derived:
@@ -87,23 +94,25 @@ class GraftedTensors(torch.autograd.Function):
                 part.mul_(movement[a:b])
         if base.numel():
             grad[base] = -grad[base]  # d(1 - sigmoid(S))/dS on gamma_base
-        return (grad, None, None, None, None, None, *([None] * len(grads)))
+        return (grad, None, None, None, None, None, None, *([None] * len(grads)))
 
 
-REUSED_GRADIENT_BYTES = 32 << 20
-"""glibc's largest mmap threshold: a freed block this large goes back to the system, and its next use faults."""
+REUSED_GRADIENT_BYTES = 1 << 20
+"""CPU tensors this large are kept by :class:`GradientSlot`: glibc maps a block over its mmap threshold (128 KiB to 32
+MiB, by its own rule) anew each time and gives the top of its heap back once enough of it is free, so a fresh tensor of
+a few MiB can fault on every step too."""
 
 
 class GradientSlot:
     """The tensor that held S's gradient, taken back by S's next backward once the optimizer has let it go.
 
     Why: a backward that returns a fresh S-sized tensor lets autograd make it ``S.grad`` without a copy, but the
-    optimizer's ``zero_grad(set_to_none=True)`` frees it, and on a CPU a fresh tensor of more than 32 MiB (glibc
-    maps it anew) costs page faults on every step: the dense S of RoBERTa-base's word embeddings (154 MB) took 68-93 ms
-    of a 0.8 s step to zero (BENCHMARKS.md, "The gradient of S kept between steps"). A hook keeps ``S.grad`` once
-    autograd has accumulated the tensor this slot gave; :meth:`take` gives it again only while nothing else refers to
-    it (``S.grad`` was set to ``None`` and no one kept it), and a fresh tensor otherwise. Only CPU tensors of at
-    least :data:`REUSED_GRADIENT_BYTES` are kept (smaller ones come back from the heap without page faults, and CUDA's
+    optimizer's ``zero_grad(set_to_none=True)`` frees it, and on a CPU fresh memory costs page faults on every step:
+    the dense S of RoBERTa-base's word embeddings (154 MB) took 68-93 ms of a 0.8 s step to zero (BENCHMARKS.md, "The
+    gradient of S kept between steps"), and its encoder layers' 28 MB tensors up to 159 thousand faults a step
+    (BENCHMARKS.md, "Lockstep processes"). A hook keeps ``S.grad`` once autograd has accumulated the tensor this slot
+    gave; :meth:`take` gives it again only while nothing else refers to it (``S.grad`` was set to ``None`` and no one
+    kept it), and a fresh tensor otherwise. Only CPU tensors of at least :data:`REUSED_GRADIENT_BYTES` are kept (CUDA's
     caching allocator reuses memory by itself): this keeps their memory between steps.
     """
 
@@ -293,7 +302,8 @@ def _gather_rows(scores, movement, rows, positions, dim):
 
 
 class BufferPool:
-    """Reusable output tensors of one layer's :class:`GraftedSearchSpace`, one per stored tensor.
+    """Reusable output tensors of one layer's :class:`GraftedSearchSpace` (one per stored tensor) or, keeping the soft
+    parameters, :class:`GraftedTensors` (one flat tensor).
 
     Allocating fresh parameter-sized tensors every step costs page faults that, on CPU, weigh as much as the copy
     itself. A buffer is taken by a forward and released by its backward, so it is never overwritten while a graph

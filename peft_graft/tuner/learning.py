@@ -79,7 +79,7 @@ class RegionLearner(nn.Module):
         # evaluates the mask it would keep; None: the soft gamma of Eq. 4.
         self.hard: tuple[torch.Tensor, torch.Tensor] | None = None
         self._parts: list[tuple[str, tuple[int, int, torch.Tensor]]] | None = None
-        self._pool = BufferPool()  # reused outputs of GraftedSearchSpace
+        self._pool = BufferPool()  # reused outputs of GraftedSearchSpace or GraftedTensors
         self._gradients = GradientSlot()  # the dense gradient of S, reused across steps
         self._linear_patterns: dict[tuple, LinearPattern] = {}  # see linear_delta
 
@@ -156,7 +156,9 @@ class RegionLearner(nn.Module):
             return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(base_layer, attr) for attr in self.space.attrs]
         offsets = [int(o) for o in self.space.offsets]
-        outputs = GraftedTensors.apply(scores, movement, self.base_region, offsets, mode, self._gradients, *thetas)
+        outputs = GraftedTensors.apply(
+            scores, movement, self.base_region, offsets, mode, self._gradients, self._pool, *thetas
+        )
         return dict(zip(self.space.attrs, outputs, strict=True))
 
     def linear_delta(
