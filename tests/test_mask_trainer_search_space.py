@@ -289,3 +289,13 @@ def test_soft_parameter_outputs_are_reused_across_steps_only_once_released(searc
     assert layer.learner("default")._pool.busy
     third = grads()
     assert all(torch.equal(first[n], third[n]) for n in first)
+
+
+def test_dense_bf16_soft_parameters_take_no_fp32_buffer():
+    """Soft parameters in bf16 are cast copies: no fp32 output buffer is kept for them between steps."""
+    _, model = learning_graft("roberta_cls", dtype=torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(7))
+    model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+    learners = [layer.learner("default") for layer in learning_layers(model).values()]
+    assert learners and all(learner.scores.grad is not None for learner in learners)
+    assert not any(learner._pool.buffers for learner in learners)

@@ -50,8 +50,8 @@ class GraftedTensors(torch.autograd.Function):
             gamma[base] = 1.0 - gamma[base]
         # The outputs sit at the same offsets in every mode (the recipes of RecomputeSoftParameters rebuild a saved
         # view by its storage offset): in place of gamma, or beside it, in the pool's buffer while keeping.
-        flat_out = gamma
-        if separate:
+        flat_out = gamma  # only fp32 outputs are written into it (others are cast copies)
+        if separate and any(theta.dtype == torch.float32 for theta in thetas):
             buffers = pool.acquire((gamma,)) if derive and pool is not None else None
             ctx.pool = pool if buffers is not None else None
             flat_out = buffers[0] if buffers is not None else torch.empty_like(gamma)
