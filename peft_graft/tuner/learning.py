@@ -146,18 +146,18 @@ class RegionLearner(nn.Module):
         ``RecomputeSoftParameters``, or this is that rebuild (see ``SoftBackward``).
         """
         scores, movement = self.scores, self._movement()
+        # Reuse the output tensors across steps when a backward will release them (see BufferPool).
+        pool = self._pool if torch.is_grad_enabled() else None
         if self.search_indices is not None:
             parts = self._search_parts(scores.device)
             attrs = [attr for attr, _ in parts]
             thetas = [getattr(base_layer, attr) for attr in attrs]
-            # Reuse the output tensors across steps when a backward will release them (see BufferPool).
-            pool = self._pool if torch.is_grad_enabled() else None
             outputs = GraftedSearchSpace.apply(scores, movement, self.base_region, [p for _, p in parts], pool, *thetas)
             return dict(zip(attrs, outputs, strict=True))
         thetas = [getattr(base_layer, attr) for attr in self.space.attrs]
         offsets = [int(o) for o in self.space.offsets]
         outputs = GraftedTensors.apply(
-            scores, movement, self.base_region, offsets, mode, self._gradients, self._pool, *thetas
+            scores, movement, self.base_region, offsets, mode, self._gradients, pool, *thetas
         )
         return dict(zip(self.space.attrs, outputs, strict=True))
 
