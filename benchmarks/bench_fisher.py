@@ -1,7 +1,9 @@
 """Cost of ``peft_graft.scores.fisher_diagonal`` against a plain forward and backward pass of one example.
 
 Time: the median time per example of the empirical Fisher, of the model Fisher (exact expectation over the classes:
-one backward pass per class) and of ``model(**example).loss.backward()``, all in one process, after a warm-up.
+one backward pass per class) and of ``model(**example).loss.backward()``, all in one process after a warm-up, in
+``--repeats`` rounds in an order rotated each round, with each variant's paired ratio to the plain pass of the same
+round (median and quartiles).
 Memory: each variant in its own process (``--memory VARIANT``): the peak RSS while it runs, beside the plain pass's.
 The Fisher should cost one fp32 accumulator per parameter (4 bytes) on top of the plain pass, whatever N is.
 
@@ -19,7 +21,7 @@ import sys
 import time
 
 import torch
-from bench_models import MODELS, batch_for, load_pretrained, reset_peak, rss_gb
+from bench_models import MODELS, batch_for, load_pretrained, paired_text, reset_peak, rotated, rss_gb
 
 from peft_graft.scores import fisher_diagonal
 
@@ -70,23 +72,23 @@ def main() -> None:
     times = {variant: [] for variant in VARIANTS}
     for variant in VARIANTS:
         run(model, variant, data[:2])  # warm-up
-    for _ in range(args.repeats):
-        for variant in VARIANTS:
+    for repeat in range(args.repeats):
+        for variant in rotated(list(VARIANTS), repeat):
             times[variant].append(run(model, variant, data))
     params = sum(p.numel() for p in model.parameters())
     peaks = {}
     for variant in VARIANTS:
         command = [sys.executable, __file__, "--model", args.model, "--memory", variant, "--examples", "4"]
         peaks[variant] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-    plain = statistics.median(times["plain"])
     length = len(data[0]["input_ids"])
     print(f"{args.model}, {params / 1e6:.1f}M parameters, 2 classes, {length} tokens per example")
-    print("| variant | time per example (median) | vs plain | peak RSS | extra vs plain |")
+    print("| variant | time per example (median) | vs plain, paired (quartiles) | peak RSS | extra vs plain |")
     print("| --- | --- | --- | --- | --- |")
     for variant in VARIANTS:
         median = statistics.median(times[variant])
         extra = (peaks[variant]["peak_gb"] - peaks["plain"]["peak_gb"]) * 1024**3 / params
-        print(f"| {variant} | {median * 1000:.0f} ms | {median / plain:.2f}x | {peaks[variant]['peak_gb']:.2f} GB | "
+        ratio = paired_text(times[variant], times["plain"])
+        print(f"| {variant} | {median * 1000:.0f} ms | {ratio} | {peaks[variant]['peak_gb']:.2f} GB | "
               f"{extra:+.2f} B/param |")  # fmt: skip
 
 

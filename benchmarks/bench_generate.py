@@ -29,7 +29,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mixed_batch import load_average, random_region, ratios, rotated
+from bench_mixed_batch import load_average, random_region, ratios
+from bench_models import rotated
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig

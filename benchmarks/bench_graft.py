@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from bench_models import paired_ratios
 from transformers import RobertaConfig, RobertaForSequenceClassification
 from transformers.utils import logging as hf_logging
 
@@ -378,13 +379,6 @@ def part_forward(repeats: int) -> dict:
         **paired_ratios("switching_over_base", switching, plain[1::2]),
         **paired_ratios("merged_over_base", merged, plain_merged),
     }
-
-
-def paired_ratios(name: str, times: list[float], base_times: list[float]) -> dict:
-    """The median and quartiles of ``time / base time`` over pairs measured back to back: the load of the machine
-    drifts over a run (base forwards of 150 to 210 ms), and a ratio of medians would carry that drift."""
-    quartiles = statistics.quantiles([t / b for t, b in zip(times, base_times, strict=True)], n=4)
-    return {name: round(quartiles[1], 3), f"{name}_quartiles": [round(quartiles[0], 3), round(quartiles[2], 3)]}
 
 
 PARTS = {"topk": part_topk, "disk": part_disk, "switch": part_switch, "forward": part_forward}

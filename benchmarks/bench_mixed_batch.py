@@ -51,8 +51,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_graft import make_pair, paired_ratios, peak_rss_mb, reset_peak_rss, rss_mb
-from bench_models import minor_faults
+from bench_graft import make_pair, peak_rss_mb, reset_peak_rss, rss_mb
+from bench_models import minor_faults, paired_ratios, rotated
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig, Region
@@ -197,12 +197,6 @@ def rounds(variants: dict, base, repeats: int, faults: dict | None = None) -> di
 def fault_medians(key: str, faults: dict[str, list[int]]) -> dict:
     """Median minor page faults per call of each name of :func:`rounds` (``{key}_{name}_faults``)."""
     return {f"{key}_{name}_faults": statistics.median(counts) for name, counts in faults.items()}
-
-
-def rotated(names: list[str], shift: int) -> list[str]:
-    """``names`` rotated left by ``shift``: the order of a round's calls, one further on each round."""
-    shift %= len(names)
-    return names[shift:] + names[:shift]
 
 
 def ratios(key: str, times: dict[str, list[float]]) -> dict:

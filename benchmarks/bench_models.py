@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import os
 import resource
+import statistics
 import sys
 from pathlib import Path
 
@@ -116,6 +117,31 @@ def minor_faults() -> int:
     """Minor page faults of this process so far (every thread): memory touched for the first time since the allocator
     got it from the system, e.g. a tensor over glibc's mmap threshold, or heap memory given back and taken again."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    """``names`` rotated left by ``shift``: the order of a round's calls, one further on each round, so that no variant
+    always runs furthest from its baseline while the host drifts."""
+    shift %= len(names)
+    return names[shift:] + names[:shift]
+
+
+def paired_quartiles(times: list[float], base_times: list[float]) -> list[float]:
+    """The quartiles (low, median, high) of ``time / base time`` over pairs measured back to back: the load of the
+    machine drifts over a run, and a ratio of medians would carry that drift."""
+    return statistics.quantiles([t / b for t, b in zip(times, base_times, strict=True)], n=4)
+
+
+def paired_ratios(name: str, times: list[float], base_times: list[float]) -> dict:
+    """:func:`paired_quartiles` as JSON fields: ``name`` (the median) and ``{name}_quartiles``."""
+    low, median, high = paired_quartiles(times, base_times)
+    return {name: round(median, 3), f"{name}_quartiles": [round(low, 3), round(high, 3)]}
+
+
+def paired_text(times: list[float], base_times: list[float]) -> str:
+    """:func:`paired_quartiles` as a table cell: ``1.23x (1.10-1.31)``."""
+    low, median, high = paired_quartiles(times, base_times)
+    return f"{median:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def reset_peak() -> None:

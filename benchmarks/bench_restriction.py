@@ -1,9 +1,10 @@
 """Cost of a region-restricted training step (``peft_graft.restrict_training``) against a plain AdamW step.
 
 Variants: ``plain``; ``frozen`` (never change a random region of ``--fraction`` of every tensor: continual learning);
-``allowed`` (change only such a region: graft re-training). Time: all variants in one process, alternating, after a
-warm-up; the median of ``--repeats`` steps each. Memory: each variant in its own process (``--memory VARIANT``), the
-peak RSS of the training steps beside the plain step's.
+``allowed`` (change only such a region: graft re-training). Time: all variants in one process after a warm-up,
+``--repeats`` rounds of one step each, in an order rotated each round; each variant's median step and its paired ratio
+to the plain step of the same round (median and quartiles). Memory: each variant in its own process (``--memory
+VARIANT``), the peak RSS of the training steps beside the plain step's.
 
     python benchmarks/bench_restriction.py --model all-MiniLM-L6-v2      # batch 32 x 64
     python benchmarks/bench_restriction.py --model roberta-base-random   # 125M random classifier, batch 4 x 32
@@ -19,7 +20,7 @@ import sys
 import time
 
 import torch
-from bench_models import MODELS, batch_for, load_pretrained, reset_peak, rss_gb
+from bench_models import MODELS, batch_for, load_pretrained, paired_text, reset_peak, rotated, rss_gb
 
 from peft_graft import Region, restrict_training
 
@@ -61,9 +62,9 @@ def time_all(name: str, repeats: int, fraction: float) -> dict[str, list[float]]
     for run in runs.values():
         step(*run, batch)  # warm-up (and optimizer state)
     times = {variant: [] for variant in VARIANTS}
-    for _ in range(repeats):
-        for variant, run in runs.items():
-            times[variant].append(step(*run, batch))
+    for repeat in range(repeats):
+        for variant in rotated(list(runs), repeat):
+            times[variant].append(step(*runs[variant], batch))
     return times
 
 
@@ -90,10 +91,10 @@ def main() -> None:
         print(json.dumps(memory(args.model, args.memory, args.fraction, steps=3)))
         return
     times = time_all(args.model, args.repeats, args.fraction)
-    plain = statistics.median(times["plain"])
     params = sum(p.numel() for p in load_pretrained(args.model).parameters())
     print(f"{args.model}, region {args.fraction:g} of every tensor, {params / 1e6:.1f}M parameters")
-    print("| variant | step (median) | vs plain | peak RSS | extra vs plain | mask bytes / parameter |")
+    print("| variant | step (median) | vs plain, paired (quartiles) | peak RSS | extra vs plain | "
+          "mask bytes / parameter |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- |")
     peaks = {}
     for variant in VARIANTS:
@@ -111,8 +112,9 @@ def main() -> None:
     for variant in VARIANTS:
         median, peak = statistics.median(times[variant]), peaks[variant]
         extra = (peak["peak_gb"] - peaks["plain"]["peak_gb"]) * 1024**3 / params
+        ratio = paired_text(times[variant], times["plain"])
         print(
-            f"| {variant} | {median * 1000:.0f} ms | {median / plain:.2f}x | {peak['peak_gb']:.2f} GB | "
+            f"| {variant} | {median * 1000:.0f} ms | {ratio} | {peak['peak_gb']:.2f} GB | "
             f"{extra:+.2f} B/param | {peak['mask_bytes'] / params:.2f} |"
         )
 

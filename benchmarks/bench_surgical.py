@@ -3,8 +3,9 @@
 The set-up of ``examples/run_finetune.py``: frozen embeddings, SGD, the new classification head trained; a batch of
 8 sequences of 64 tokens. Each variant trains the head plus the named blocks, through ``freeze_outside`` (backward
 stops below the lowest trained block) and ``restrict_training`` (the guarantee that nothing else changes), as
-``run_finetune.py --surgical_layers`` does. All variants in one process, alternating, after a warm-up; the median of
-``--repeats`` steps each.
+``run_finetune.py --surgical_layers`` does. All variants in one process after a warm-up, ``--repeats`` rounds of one
+step each in an order rotated each round; each variant's median step and its paired ratio to the full step of the same
+round (median and quartiles).
 
     python benchmarks/bench_surgical.py --model all-MiniLM-L6-v2
 """
@@ -15,7 +16,7 @@ import argparse
 import statistics
 
 import torch
-from bench_models import MODELS, load_pretrained
+from bench_models import MODELS, load_pretrained, paired_text, rotated
 from bench_restriction import step
 
 from peft_graft import restrict_training
@@ -55,17 +56,18 @@ def main() -> None:
     times = {variant: [] for variant in runs}
     for model, optimizer, restriction, _ in runs.values():
         step(model, optimizer, restriction, batch)  # warm-up
-    for _ in range(args.repeats):
-        for variant, (model, optimizer, restriction, _) in runs.items():
+    for repeat in range(args.repeats):
+        for variant in rotated(list(runs), repeat):
+            model, optimizer, restriction, _ = runs[variant]
             times[variant].append(step(model, optimizer, restriction, batch))
-    full = statistics.median(times["full"])
     print(f"{args.model}, batch 8 x 64, SGD, frozen embeddings; median of {args.repeats} steps")
-    print("| variant | blocks | trainable parameters | step | vs full |")
+    print("| variant | blocks | trainable parameters | step (median) | vs full, paired (quartiles) |")
     print("| --- | --- | --- | --- | --- |")
     for variant, blocks in VARIANTS.items():
         median = statistics.median(times[variant])
         trainable = runs[variant][3]
-        print(f"| {variant} | {blocks or 'all'} | {trainable:,} | {median * 1000:.0f} ms | {median / full:.2f}x |")
+        ratio = paired_text(times[variant], times["full"])
+        print(f"| {variant} | {blocks or 'all'} | {trainable:,} | {median * 1000:.0f} ms | {ratio} |")
 
 
 if __name__ == "__main__":

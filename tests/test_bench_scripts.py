@@ -88,6 +88,17 @@ def test_pairs_alternate_which_step_comes_first():
     assert faults["none"] == [(10, 20), (60, 50), (90, 100)]
 
 
+def test_rounds_rotate_and_ratios_are_taken_per_pair():
+    orders = [M.rotated(["base", "a", "b"], shift) for shift in range(4)]
+    assert orders == [["base", "a", "b"], ["a", "b", "base"], ["b", "base", "a"], ["base", "a", "b"]]
+    # ratios per pair, not of the medians (18 / 1 here): slow rounds move both times of a pair
+    times, base = [2.0, 2.0, 18.0, 18.0, 18.0], [1.0, 1.0, 9.0, 9.0, 1.0]
+    assert M.paired_ratios("a", times, base) == {"a": 2.0, "a_quartiles": [2.0, 10.0]}
+    assert M.paired_text(times[:4], base[:4]) == "2.00x (2.00-2.00)"
+    with pytest.raises(ValueError):  # unpaired lists are refused, not cut short
+        M.paired_quartiles(times, base[:3])
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_lockstep_steps_each_trainer_in_its_own_process(tmp_path, monkeypatch):
     M.prepare_finetuned(TINY, "float32", str(tmp_path))
