@@ -220,9 +220,9 @@ def test_the_sparse_delta_mode_on_the_gpu_follows_the_exact_mode_and_waits_for_t
     model = _load_on_gpu(pre, folder, dtype, False)
     ids, names = input_ids(4).cuda(), ["b", "a", "__base__", "b"]
     added = []
-    original = sparse_delta.LayerDelta.add_to
+    original = sparse_delta.LayerDelta.forward
     monkeypatch.setattr(
-        sparse_delta.LayerDelta, "add_to", lambda self, out, x: added.append(1) or original(self, out, x)
+        sparse_delta.LayerDelta, "forward", lambda self, base, x: added.append(1) or original(self, base, x)
     )
     outputs = {}
     with torch.inference_mode():

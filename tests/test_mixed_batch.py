@@ -463,14 +463,23 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
 @pytest.mark.parametrize("transposed", [False, True])
 def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     """``LayerDelta`` gives each example its graft's row of the joined tables, padded to the graft with the most
-    entries: grafts of 4 (two on one output row) and 1 weight entries, one holding a bias entry, and an example without
-    a graft. Each example's output gets exactly its graft's products (float64 reference), every other output is left
-    bit for bit, and an infinite input under a padded slot changes nothing (``x * 0`` would be NaN). Grafts changing
-    the bias alone add their bias entries."""
+    entries: grafts of 4 (two on one output row) and 1 weight entries, one also changing a bias entry, and an example
+    without a graft. Its deltas add exactly each graft's products to its examples (float64 reference) and leave every
+    other output bit for bit, and an infinite input under a padded slot changes nothing (``x * 0`` would be NaN). Its
+    forward is the base layer's product onto each example's bias: bit for bit the base layer's output wherever no
+    entry of the example's graft reaches, within rounding of the float64 reference elsewhere; grafts changing the bias
+    alone (no weight table) change those bias entries only."""
+    from types import SimpleNamespace
+
+    from transformers.pytorch_utils import Conv1D
+
     from peft_graft.tuner import sparse_delta
 
     out_features, in_features, tokens = 5, 6, 3
-    shape = (out_features, in_features, transposed)
+    torch.manual_seed(0)
+    base = Conv1D(out_features, in_features) if transposed else nn.Linear(in_features, out_features)
+    nn.init.normal_(base.bias)
+    layer = SimpleNamespace(base_layer=base)
     entries = {  # per graft: (row, column, delta) of its weight entries
         0: [(0, 1, 0.5), (0, 4, -2.0), (3, 2, 1.5), (4, 5, 0.25)],
         1: [(2, 3, 3.0)],
@@ -479,47 +488,60 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     def flat(row, column):
         return column * out_features + row if transposed else row * in_features + column
 
-    values = []  # per graft, as graft_values gives them: (flat indices, base values there, deltas)
+    values = []  # per graft, as graft_values gives them: (flat indices, base values there, deltas or bias values)
     for g in (0, 1):
         at, deltas = torch.tensor([flat(r, c) for r, c, _ in entries[g]]), torch.tensor([d for *_, d in entries[g]])
         values.append({"weight": (at, torch.zeros(len(at)), deltas)})
-    values[1]["bias"] = (torch.tensor([2]), torch.zeros(1), torch.tensor([-1.0]))
-    joined = sparse_delta._joined(values, ("linear", shape))
+    values[1]["bias"] = (torch.tensor([2]), base.bias.data[2:3].clone(), torch.tensor([-1.0]))
+    joined = sparse_delta._joined(values, ("linear", sparse_delta.linear_shape(base)))
     graft = (1, 0, 2, 1)  # example 2 has no graft (number 2, after the grafts): a row of padding only
-    delta = sparse_delta._layer_delta(joined, graft, torch.tensor(graft), shape)
+    delta = sparse_delta._layer_delta(layer, joined, graft, torch.tensor(graft))
     assert delta.padding is not None and delta.weight.shape == (4, 4)
     x = torch.randn(4, tokens, in_features)
-    x[0, :, 0] = float("inf")  # example 0 (graft 1) pads 3 slots, which point at column 0
-    x[2, :, 0] = float("inf")  # and example 2 (none) 4
-    out = torch.randn(4, tokens, out_features)
-    fast = delta.add_to(out.clone(), x)
-    expected = out.double().clone()
+    touched = torch.zeros(4, tokens, out_features, dtype=torch.bool)  # outputs a weight entry reaches
+    expected = torch.zeros(4, tokens, out_features, dtype=torch.float64)  # the deltas
     for example, g in enumerate(graft):
-        if g == 2:
-            continue
-        for row, column, d in entries[g]:
+        for row, column, d in entries.get(g, []):
             expected[example, :, row] += x[example, :, column].double() * d
-        if g == 1:
-            expected[example, :, 2] += -1.0
-    touched = torch.zeros_like(out, dtype=torch.bool)
-    for example, g in enumerate(graft):
-        for row in {r for r, *_ in entries.get(g, [])} | ({2} if g == 1 else set()):
             touched[example, :, row] = True
-    assert torch.isfinite(fast).all()
-    assert torch.equal(fast[~touched], out[~touched])
-    assert torch.allclose(fast[touched].double(), expected[touched], rtol=1e-6, atol=1e-6)
-    # grafts changing the bias alone (no weight table), one of them the second: each adds its bias entries only
-    biases = [{"bias": (torch.tensor([1]), torch.zeros(1), torch.tensor([2.0]))} for _ in range(2)]
-    biases[1]["bias"] = (torch.tensor([3, 4]), torch.zeros(2), torch.tensor([-1.0, 0.5]))
+    infinite = x.clone()
+    infinite[0, :, 0] = float("inf")  # example 0 (graft 1) pads 3 slots, which point at column 0
+    infinite[2, :, 0] = float("inf")  # and example 2 (none) 4
+    out = torch.randn(4, tokens, out_features)
+    added = delta.add_deltas(out.clone(), infinite)
+    assert torch.isfinite(added).all() and torch.equal(added[~touched], out[~touched])
+    assert torch.allclose(added[touched].double(), out[touched].double() + expected[touched], rtol=1e-6, atol=1e-6)
+
+    with torch.no_grad():
+        plain, fast = base(x), delta.forward(base, x)
+        weight = base.weight.double() if transposed else base.weight.double().t()
+        reference = x.double() @ weight + base.bias.double()
+    reference = reference.double() + expected
+    moved = touched.clone()
+    for example, g in enumerate(graft):
+        if g == 1:  # its bias entry
+            reference[example, :, 2] += -1.0 - base.bias.double()[2]
+            moved[example, :, 2] = True
+    assert torch.equal(fast[~moved], plain[~moved])
+    assert torch.allclose(fast.double(), reference, rtol=1e-6, atol=1e-6)
+
+    # grafts changing the bias alone (no weight table), one of them the second: each changes its bias entries only
+    biases = [{"bias": (torch.tensor([1]), base.bias.data[1:2].clone(), torch.tensor([2.0]))} for _ in range(2)]
+    biases[1]["bias"] = (torch.tensor([3, 4]), base.bias.data[3:5].clone(), torch.tensor([-1.0, 0.5]))
     graft = (1, 2, 0)
     delta = sparse_delta._layer_delta(
-        sparse_delta._joined(biases, ("linear", shape)), graft, torch.tensor(graft), shape
+        layer, sparse_delta._joined(biases, ("linear", sparse_delta.linear_shape(base))), graft, torch.tensor(graft)
     )
-    expected = out.clone()
-    expected[0, :, 3] += -1.0
-    expected[0, :, 4] += 0.5
-    expected[2, :, 1] += 2.0
-    assert torch.equal(delta.add_to(out[:3].clone(), x[:3]), expected[:3])
+    with torch.no_grad():
+        fast = delta.forward(base, x[:3])
+        expected = plain[:3].double().clone()
+    for example, changes in ((0, {3: -1.0, 4: 0.5}), (2, {1: 2.0})):
+        for row, value in changes.items():
+            expected[example, :, row] += value - base.bias.double()[row]
+    moved = torch.zeros_like(fast, dtype=torch.bool)
+    moved[0, :, 3:5] = moved[2, :, 1] = True
+    assert torch.equal(fast[~moved], plain[:3][~moved])
+    assert torch.allclose(fast.double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
@@ -546,9 +568,9 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     lengths = []
-    original = sparse_delta.LayerDelta.add_to
+    original = sparse_delta.LayerDelta.forward
     monkeypatch.setattr(
-        sparse_delta.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
+        sparse_delta.LayerDelta, "forward", lambda self, base, x: lengths.append(x.shape[1]) or original(self, base, x)
     )
     _, model = grafts(arch)
     inputs, before = batch(), state(model)
@@ -574,7 +596,7 @@ def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     added, prepared = [], []
-    for owner, name in ((sparse_delta.LayerDelta, "add_to"), (sparse_delta.LayerNormColumns, "forward")):
+    for owner, name in ((sparse_delta.LayerDelta, "forward"), (sparse_delta.LayerNormColumns, "forward")):
         spied = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, spied=spied: added.append(1) or spied(*a))
     original = sparse_delta.prepare
@@ -593,6 +615,29 @@ def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch
     assert added and prepared == [len(model.base_model.graft_layers())]
 
 
+def test_sparse_delta_mode_takes_the_exact_path_under_autocast(monkeypatch):
+    """Under CPU autocast (which casts a linear layer's inputs) the linear layers of the "sparse_delta" mode take the
+    exact path: no ``LayerDelta`` runs, and the logits equal the exact mode's under the same autocast bit for bit."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    added = []
+    original = sparse_delta.LayerDelta.forward
+    monkeypatch.setattr(
+        sparse_delta.LayerDelta, "forward", lambda self, base, x: added.append(1) or original(self, base, x)
+    )
+    _, model = grafts("bert_cls")
+    inputs = batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        exact = model(**inputs, adapter_names=NAMES).logits
+        model.set_mixed_batch_mode("sparse_delta")
+        fast = model(**inputs, adapter_names=NAMES).logits
+    assert exact.dtype == torch.bfloat16 and torch.equal(fast, exact) and not added
+    with torch.no_grad():
+        model(**inputs, adapter_names=NAMES)
+    assert added
+
+
 def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
     """A layer's call takes the delta path only where graft density x tokens per example is within
     SPARSE_DELTA_MAX_WORK: with grafts of 5% and a bound of 0.1, a decoding step (1 token) takes it and the 9-token
@@ -601,9 +646,9 @@ def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 0.1)
     lengths = []
-    original = sparse_delta.LayerDelta.add_to
+    original = sparse_delta.LayerDelta.forward
     monkeypatch.setattr(
-        sparse_delta.LayerDelta, "add_to", lambda self, out, x: lengths.append(x.shape[1]) or original(self, out, x)
+        sparse_delta.LayerDelta, "forward", lambda self, base, x: lengths.append(x.shape[1]) or original(self, base, x)
     )
     _, model = grafts("llama")
     inputs = batch()

@@ -24,6 +24,7 @@ other layers, and every layer while autograd is on, keep the exact path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -231,10 +232,12 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
             batch.unprepared = []
             prepare_sparse_deltas([(module, batch) for module in pending.values()])
         delta = batch.deltas[id(layer)]
-        if isinstance(delta, LayerDelta):
-            tokens = x.numel() // (x.shape[0] * x.shape[-1]) if x.numel() else 0
-            if delta.density * tokens <= sparse_delta.SPARSE_DELTA_MAX_WORK:
-                return delta.add_to(layer.base_layer(x), x)
+        if (
+            isinstance(delta, LayerDelta)
+            and delta.density * math.prod(x.shape[1:-1]) <= sparse_delta.SPARSE_DELTA_MAX_WORK
+            and not torch.is_autocast_enabled(x.device.type)  # it casts the base layer's inputs: the exact path then
+        ):
+            return delta.forward(layer.base_layer, x)
         if isinstance(delta, (LayerNormColumns, ExampleParameters)) and x.shape[-1] == delta.features:
             return delta.forward(layer, x, lambda: layer_forward(layer, batch, args, kwargs, exact=True))
 

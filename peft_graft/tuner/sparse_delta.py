@@ -2,11 +2,12 @@
 runs its base layer once for the whole batch instead of once per group of examples (mixed_batch.py), in three ways.
 
 - A ``Linear`` (or GPT-2 ``Conv1D``) layer whose grafts are sparse there for the call (:data:`SPARSE_DELTA_MAX_WORK`:
-  decoding steps qualify where a prefill may not) adds each example's sparse delta to its outputs,
-  ``y[:, r] += x[:, c] * d`` per entry (and ``d`` at a bias entry) (:class:`LayerDelta`). Its output differs from the
-  exact one by floating-point rounding only: at most ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per
-  output (``n`` the layer's input size, ``u`` the unit roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``,
-  ``w`` and ``w'`` the row of the base and of the grafted weight), the bound ``tests/test_mixed_batch.py`` checks.
+  decoding steps qualify where a prefill may not) starts each example's outputs from its graft's bias, adds its sparse
+  weight delta, ``y[:, r] += x[:, c] * d`` per entry, then the base product over the whole batch
+  (:class:`LayerDelta`). Its output differs from the exact one by floating-point rounding only: at most
+  ``2 * gamma_n * sum_k |x_k| (|w_k| + |w'_k|) + u * |y|`` per output (``n`` the layer's input size, ``u`` the unit
+  roundoff of the output dtype, ``gamma_n = n u / (1 - n u)``, ``w`` and ``w'`` the row of the base and of the grafted
+  weight), the bound ``tests/test_mixed_batch.py`` checks.
 - An ``nn.LayerNorm`` (fp32 or fp64 input) recomputes, from its kernel's mean and rstd, only the features where an
   example's graft changes its weight or bias, within the bound stated in :class:`LayerNormColumns`; the other features
   are bit for bit the exact path's.
@@ -26,6 +27,7 @@ result makes the host wait for the queue.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,8 +46,8 @@ base call per group. Set from RoBERTa-base batches of 32 x 128 with 8 grafts, wh
 
 Values = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """One graft's values on a layer, per base tensor name: (flat indices, base values there when built, values: the
-delta for a linear layer, in fp32 or the tensor's dtype where wider; the grafted values in the tensor's dtype for a
-vector layer)."""
+delta for a linear layer's weight, in fp32 or the tensor's dtype where wider; the grafted values in the tensor's dtype
+for a linear layer's bias and a vector layer)."""
 
 
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -98,7 +100,7 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
         original = tensor.data.take(entries[0])
         grafted = graft_entries(original, entries, first, scale)
         work = torch.promote_types(tensor.dtype, torch.float32)  # float64 stays float64
-        value = grafted.to(work) - original.to(work) if kind[0] == "linear" else grafted
+        value = grafted.to(work) - original.to(work) if kind[0] == "linear" and attr == "weight" else grafted
         at = entries[0].to(torch.int64)
         if kind[0] == "linear" and attr == "weight":
             order = _along_wider_side(at, kind[1])
@@ -109,7 +111,7 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
 
 def _along_wider_side(at: torch.Tensor, shape: tuple[int, int, bool]) -> torch.Tensor:
     """The order of a linear weight's flat indices ``at`` by their index into the wider of the layer's input and
-    output, so that :meth:`LayerDelta.add_to` walks the wider of its two rows (``x``'s or ``out``'s) in increasing
+    output, so that :meth:`LayerDelta.add_deltas` walks the wider of its two rows (``x``'s or ``out``'s) in increasing
     order: a gather or scatter at random places in a 3,072-wide row costs twice as much on a CPU."""
     out_features, in_features, transposed = shape
     rows, columns = (at % out_features, at // out_features) if transposed else (at // in_features, at % in_features)
@@ -161,7 +163,7 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
     """The padded tables of :class:`Joined` (``columns``: per base tensor, the grafts' indices, base values and values).
 
     - linear: ``columns``, ``rows``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight
-      entries, ``bias_rows`` and ``bias`` of the bias entries (zero-padded: a padded bias slot adds 0);
+      entries, and ``owner_bias``: the graft of each bias entry (to write its values into a copy of the bias per graft);
     - layer_norm: ``columns``, the features a graft changes (its entries' in each tensor in turn), padded by
       the row's first column again (elsewhere a padded slot would recompute a feature the graft leaves, which stays
       the kernel's bit for bit), ``empty``: the rows without any (the last, for none), and
@@ -184,12 +186,11 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
             rows, cols = [at // in_features for at in indices], [at % in_features for at in indices]
         tables.update(columns=_padded(cols), rows=_padded(rows), weight=_padded(deltas))
         tables["padding"] = _padding([at.numel() for at in indices] + [0], tables["weight"])
-        indices, _, deltas = columns.get("bias", none)
-        tables.update(bias_rows=_padded(indices), bias=_padded(deltas))
-        return tables
     for attr, (indices, *_) in columns.items():
-        owner = [torch.full_like(at, number) for number, at in enumerate(indices)]
-        tables[f"owner_{attr}"] = torch.cat(owner)
+        if attr != "weight" or kind[0] != "linear":
+            tables[f"owner_{attr}"] = torch.cat([torch.full_like(at, number) for number, at in enumerate(indices)])
+    if kind[0] == "linear":
+        return tables
     if kind[0] == "layer_norm":
         changed = [torch.cat([parts[0][number] for parts in columns.values()]) for number in range(grafts)]
         table = _padded(changed)
@@ -236,36 +237,49 @@ def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
 @dataclass
 class LayerDelta:
     """Every group's sparse delta on one linear layer, one row per example: its weight entries add
-    ``x[example, ..., columns[example, k]] * weight[example, k]`` to ``out[example, ..., rows[example, k]]`` and its
-    bias entries ``bias[example, k]`` to ``out[example, ..., bias_rows[example, k]]``. Rows are padded to the
-    graft with the most entries, with zeros (``padding``: where the weight part is padding, None where none is)."""
+    ``x[example, ..., columns[example, k]] * weight[example, k]`` to ``out[example, ..., rows[example, k]]``, its bias
+    is ``bias[example]`` (the layer's bias with its graft's values written in; the layer's own where no graft changes
+    it, None where the layer has none). Rows are padded to the graft with the most entries, with zeros (``padding``:
+    where the weight part is padding, None where none is)."""
 
     columns: torch.Tensor
     rows: torch.Tensor
     weight: torch.Tensor
     padding: torch.Tensor | None
-    bias_rows: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     density: float = 0.0  # the largest share of the weight's entries one graft holds
 
-    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` (the base layer's output on ``x``) plus the deltas: one gather from ``x`` and one ``scatter_add_``
-        into ``out`` along the features, for the whole batch whatever the number of groups (a loop over the groups
-        would launch a few kernels per group and layer, most of a decoding step's time)."""
-        batch_size = x.shape[0]
-        x3 = x.reshape(batch_size, -1, x.shape[-1])
-        out = out.contiguous()
-        out3 = out.view(batch_size, -1, out.shape[-1])
-        tokens = x3.shape[1]
-        if self.weight.numel():
-            values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1))
-            values = values.to(self.weight.dtype) * self.weight[:, None]
-            if self.padding is not None:  # x * 0 is not 0 where x is infinite
-                values.masked_fill_(self.padding[:, None], 0.0)
-            out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values.to(out.dtype))
-        if self.bias.numel():
-            bias = self.bias[:, None].expand(-1, tokens, -1).to(out.dtype)
-            out3.scatter_add_(2, self.bias_rows[:, None].expand(-1, tokens, -1), bias)
+    def forward(self, base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``base``'s output on ``x`` with each example's graft, computed as the base layer computes its own (``addmm``
+        onto the bias): the output starts as each example's bias, gets the weight deltas (:meth:`add_deltas`; while it
+        is fresh in the cache: a 3,072-wide output no longer is once the product has run), then the base product over
+        the whole batch."""
+        out_features, in_features, transposed = linear_shape(base)
+        out = x.new_empty((*x.shape[:-1], out_features))
+        start = out.view(x.shape[0], math.prod(x.shape[1:-1]), out_features)
+        if self.bias is None:
+            start.zero_()
+        else:
+            start.copy_(self.bias.view(-1, 1, out_features))
+        self.add_deltas(out, x)
+        weight = base.weight if transposed else base.weight.t()
+        out.view(-1, out_features).addmm_(x.reshape(-1, in_features), weight)
+        return out
+
+    def add_deltas(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the weight deltas on ``x``: one gather from ``x`` and one ``scatter_add_`` into ``out`` along
+        the features, for the whole batch whatever the number of groups (a loop over the groups would launch a few
+        kernels per group and layer, most of a decoding step's time)."""
+        if not self.weight.numel():
+            return out
+        batch_size, tokens = x.shape[0], math.prod(x.shape[1:-1])
+        x3 = x.reshape(batch_size, tokens, x.shape[-1])
+        out3 = out.view(batch_size, tokens, out.shape[-1])
+        values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1))
+        values = values.to(self.weight.dtype) * self.weight[:, None]
+        if self.padding is not None:  # x * 0 is not 0 where x is infinite
+            values.masked_fill_(self.padding[:, None], 0.0)
+        out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values.to(out.dtype))
         return out
 
 
@@ -275,15 +289,19 @@ def _rows(joined: Joined, numbers: torch.Tensor, *names: str) -> list[torch.Tens
     return [joined.tables[name].index_select(0, numbers) for name in names]
 
 
-def _layer_delta(joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, shape: tuple) -> LayerDelta:
+def _layer_delta(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor) -> LayerDelta:
     """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host)."""
+    out_features, in_features, _ = linear_shape(layer.base_layer)
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
-    columns, rows, weight, bias_rows, bias = _rows(joined, numbers, "columns", "rows", "weight", "bias_rows", "bias")
+    columns, rows, weight = _rows(joined, numbers, "columns", "rows", "weight")
     padded = any(counts[number] < width for number in graft)
     padding = _rows(joined, numbers, "padding")[0] if padded else None
-    density = max(counts) / (shape[0] * shape[1])
-    return LayerDelta(columns, rows, weight, padding, bias_rows, bias, density)
+    bias = layer.base_layer.bias
+    if "bias" in joined.at:
+        bias = _copies(bias, joined, "bias").index_select(0, numbers)
+    density = max(counts) / (out_features * in_features)
+    return LayerDelta(columns, rows, weight, padding, None if bias is None else bias.data, density)
 
 
 EXACT_WITH_EXAMPLE_PARAMETERS = "_example_parameters_exact"
@@ -406,7 +424,7 @@ def prepare(
                 continue
         on_device = numbers[graft, joined.device]
         if kind[0] == "linear":
-            results[number] = _layer_delta(joined, graft, on_device, kind[1])
+            results[number] = _layer_delta(layer, joined, graft, on_device)
         elif kind[0] == "layer_norm":
             results[number] = _layer_norm_columns(layer, joined, graft, on_device)
         else:
