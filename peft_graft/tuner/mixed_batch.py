@@ -268,7 +268,10 @@ def _holders(layer: nn.Module, batch: MixedBatch) -> frozenset[str]:
     """The grafts of ``batch`` with entries in ``layer`` (found once per batch)."""
     holders = batch.holders.get(id(layer))
     if holders is None:
-        holders = batch.holders[id(layer)] = frozenset(n for n in batch.positions if n != BASE and _holds(layer, n))
+        sources = _sources(layer)
+        holders = batch.holders[id(layer)] = frozenset(
+            n for n in batch.positions if n != BASE and any(source.entries(n)[0].numel() for source in sources)
+        )
     return holders
 
 
@@ -294,9 +297,9 @@ def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
     return forward
 
 
-def _holds(layer: nn.Module, name: str) -> bool:
-    """Whether graft ``name`` changes any tensor ``layer`` applies (its own or a tied one)."""
-    return any(source.entries(name)[0].numel() for source in {id(s): s for s, _ in layer._sources().values()}.values())
+def _sources(layer: nn.Module) -> list[nn.Module]:
+    """The graft layers storing the entries of the tensors ``layer`` applies (itself, and those of tied tensors)."""
+    return list({id(source): source for source, _ in layer._sources().values()}.values())
 
 
 def _combine(groups: list[Group], run, x: torch.Tensor, batch_size: int, what: str) -> torch.Tensor:

@@ -103,20 +103,24 @@ def graft_values(plan, kind: tuple, device: torch.device) -> Values | None:
         value = grafted.to(work) - original.to(work) if kind[0] == "linear" and attr == "weight" else grafted
         at = entries[0].to(torch.int64)
         if kind[0] == "linear" and attr == "weight":
-            order = _along_wider_side(at, kind[1])
+            order = _by_column(at, kind[1])
             at, original, value = at[order], original[order], value[order]
         values[attr] = tuple(t.to(device) for t in (at, original, value))
     return values
 
 
-def _along_wider_side(at: torch.Tensor, shape: tuple[int, int, bool]) -> torch.Tensor:
-    """The order of a linear weight's flat indices ``at`` by their index into the wider of the layer's input and
-    output, so that :meth:`LayerDelta.add_deltas` walks the wider of its two rows (``x``'s or ``out``'s) in increasing
-    order: a gather or scatter at random places in a 3,072-wide row costs twice as much on a CPU."""
+def _rows_and_columns(at: torch.Tensor, shape: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output rows and input columns of a linear weight's flat indices ``at``."""
     out_features, in_features, transposed = shape
-    rows, columns = (at % out_features, at // out_features) if transposed else (at // in_features, at % in_features)
-    key = columns * out_features + rows if in_features > out_features else rows * in_features + columns
-    return torch.argsort(key, stable=True)
+    return (at % out_features, at // out_features) if transposed else (at // in_features, at % in_features)
+
+
+def _by_column(at: torch.Tensor, shape: tuple[int, int, bool]) -> torch.Tensor:
+    """The order of a linear weight's flat indices ``at`` by input column, then row: :meth:`LayerDelta.add_deltas`
+    gathers from each row of ``x`` in increasing order (then puts the products in row order to add them to ``out``,
+    also in increasing order: on a CPU a gather or scatter at random places in a row costs up to 1.4x as much)."""
+    rows, columns = _rows_and_columns(at, shape)
+    return torch.argsort(columns * shape[0] + rows, stable=True)
 
 
 @dataclass
@@ -162,8 +166,9 @@ def _joined(grafts: list[Values], kind: tuple) -> Joined:
 def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, torch.Tensor]:
     """The padded tables of :class:`Joined` (``columns``: per base tensor, the grafts' indices, base values and values).
 
-    - linear: ``columns``, ``rows``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight
-      entries, and ``owner_bias``: the graft of each bias entry (to write its values into a copy of the bias per graft);
+    - linear: ``columns``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight entries by
+      column, ``rows`` by row and ``by_row``: where each slot of ``rows`` is in column order; ``owner_bias``: the graft
+      of each bias entry (to write its values into a copy of the bias per graft);
     - layer_norm: ``columns``, the features a graft changes (its entries' in each tensor in turn), padded by
       the row's first column again (elsewhere a padded slot would recompute a feature the graft leaves, which stays
       the kernel's bit for bit), ``empty``: the rows without any (the last, for none), and
@@ -172,7 +177,7 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
     """
     tables = {}
     if kind[0] == "linear":
-        out_features, in_features, transposed = kind[1]
+        _, in_features, _ = kind[1]
         device = next(iter(columns.values()))[0][0].device
         none = (
             [torch.empty(0, dtype=torch.int64, device=device)] * grafts,
@@ -180,12 +185,13 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
             [torch.empty(0, device=device)] * grafts,
         )
         indices, _, deltas = columns.get("weight", none)
-        if transposed:  # Conv1D stores (in, out)
-            rows, cols = [at % out_features for at in indices], [at // out_features for at in indices]
-        else:
-            rows, cols = [at // in_features for at in indices], [at % in_features for at in indices]
-        tables.update(columns=_padded(cols), rows=_padded(rows), weight=_padded(deltas))
+        rows, cols = zip(*(_rows_and_columns(at, kind[1]) for at in indices), strict=True)
+        by_row = [torch.argsort(r * in_features + c, stable=True) for r, c in zip(rows, cols, strict=True)]
+        tables.update(columns=_padded(cols), weight=_padded(deltas))
+        tables["rows"] = _padded([r[order] for r, order in zip(rows, by_row, strict=True)])
         tables["padding"] = _padding([at.numel() for at in indices] + [0], tables["weight"])
+        slots = torch.arange(tables["weight"].shape[1], device=device)
+        tables["by_row"] = torch.where(tables["padding"], slots, _padded(by_row))  # a padded slot stays in place
     for attr, (indices, *_) in columns.items():
         if attr != "weight" or kind[0] != "linear":
             tables[f"owner_{attr}"] = torch.cat([torch.full_like(at, number) for number, at in enumerate(indices)])
@@ -215,35 +221,37 @@ def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
     """Per ``(layer, joined)``, whether a base value under an entry is no longer the one the values were taken against
     (they move with it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
     counter, so the values are compared, bit for bit: a NaN under an entry equals itself, where compared as floats it
-    differed on every batch and every batch built the layer's values again; one gather per tensor and batch). The
-    results are read back with one transfer per device (on a GPU each read waits for its queue), then per layer only
-    where some differ."""
-    differs = [
-        [
-            as_bits(layer.base_layer._parameters[attr].data.take(at)) != as_bits(joined.original[attr])
-            for attr, at in joined.at.items()
-        ]
-        for layer, joined in layers
-    ]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for flags in differs:
-        for flag in flags:
-            by_device.setdefault(flag.device, []).append(flag)
-    if not any(torch.cat(flags).any().item() for flags in by_device.values()):
-        return [False] * len(layers)
-    return [bool(torch.cat(flags).any()) if flags else False for flags in differs]
+    differed on every batch and every batch built the layer's values again). One gather per tensor, then one
+    comparison and one read per device and dtype (on a GPU each read waits for its queue); per layer only where some
+    differ."""
+    parts: dict[tuple, tuple[list, list, list]] = {}  # (device, dtype) -> (values now, values then, layer numbers)
+    for number, (layer, joined) in enumerate(layers):
+        for attr, at in joined.at.items():
+            then = joined.original[attr]
+            now_, then_, numbers = parts.setdefault((then.device, then.dtype), ([], [], []))
+            now_.append(layer.base_layer._parameters[attr].data.take(at))
+            then_.append(then)
+            numbers.append(number)
+    changed = [False] * len(layers)
+    for now_, then_, numbers in parts.values():
+        differs = as_bits(torch.cat(now_)) != as_bits(torch.cat(then_))
+        if differs.any().item():
+            for number, part in zip(numbers, differs.split([t.numel() for t in then_]), strict=True):
+                changed[number] = changed[number] or bool(part.any())
+    return changed
 
 
 @dataclass
 class LayerDelta:
-    """Every group's sparse delta on one linear layer, one row per example: its weight entries add
-    ``x[example, ..., columns[example, k]] * weight[example, k]`` to ``out[example, ..., rows[example, k]]``, its bias
-    is ``bias[example]`` (the layer's bias with its graft's values written in; the layer's own where no graft changes
-    it, None where the layer has none). Rows are padded to the graft with the most entries, with zeros (``padding``:
-    where the weight part is padding, None where none is)."""
+    """Every group's sparse delta on one linear layer, one row per example: its weight entries, by column, add
+    ``x[example, ..., columns[example, k]] * weight[example, k]`` to ``out[example, ..., rows[example, j]]`` where
+    ``by_row[example, j] == k`` (``rows`` is by row); its bias is ``bias[example]`` (the layer's bias with its graft's
+    values written in; the layer's own where no graft changes it, None where the layer has none). Rows are padded to
+    the graft with the most entries, with zeros (``padding``: where the weight part is padding, None where none is)."""
 
     columns: torch.Tensor
     rows: torch.Tensor
+    by_row: torch.Tensor
     weight: torch.Tensor
     padding: torch.Tensor | None
     bias: torch.Tensor | None
@@ -279,7 +287,8 @@ class LayerDelta:
         values = values.to(self.weight.dtype) * self.weight[:, None]
         if self.padding is not None:  # x * 0 is not 0 where x is infinite
             values.masked_fill_(self.padding[:, None], 0.0)
-        out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values.to(out.dtype))
+        values = torch.gather(values.to(out.dtype), 2, self.by_row[:, None].expand(-1, tokens, -1))
+        out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values)
         return out
 
 
@@ -294,14 +303,14 @@ def _layer_delta(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbe
     out_features, in_features, _ = linear_shape(layer.base_layer)
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
-    columns, rows, weight = _rows(joined, numbers, "columns", "rows", "weight")
+    columns, rows, by_row, weight = _rows(joined, numbers, "columns", "rows", "by_row", "weight")
     padded = any(counts[number] < width for number in graft)
     padding = _rows(joined, numbers, "padding")[0] if padded else None
     bias = layer.base_layer.bias
     if "bias" in joined.at:
         bias = _copies(bias, joined, "bias").index_select(0, numbers)
     density = max(counts) / (out_features * in_features)
-    return LayerDelta(columns, rows, weight, padding, None if bias is None else bias.data, density)
+    return LayerDelta(columns, rows, by_row, weight, padding, None if bias is None else bias.data, density)
 
 
 EXACT_WITH_EXAMPLE_PARAMETERS = "_example_parameters_exact"
