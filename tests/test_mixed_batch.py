@@ -495,7 +495,7 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     values[1]["bias"] = (torch.tensor([2]), base.bias.data[2:3].clone(), torch.tensor([-1.0]))
     joined = sparse_delta._joined(values, ("linear", sparse_delta.linear_shape(base)))
     graft = (1, 0, 2, 1)  # example 2 has no graft (number 2, after the grafts): a row of padding only
-    delta = sparse_delta._layer_delta(layer, joined, graft, torch.tensor(graft))
+    delta = sparse_delta._layer_delta(layer, joined, graft, torch.tensor(graft), sparse_delta.linear_shape(base))
     assert delta.padding is not None and delta.weight.shape == (4, 4)
     x = torch.randn(4, tokens, in_features)
     touched = torch.zeros(4, tokens, out_features, dtype=torch.bool)  # outputs a weight entry reaches
@@ -529,8 +529,9 @@ def test_layer_delta_adds_every_pair_once_whatever_the_padding(transposed):
     biases = [{"bias": (torch.tensor([1]), base.bias.data[1:2].clone(), torch.tensor([2.0]))} for _ in range(2)]
     biases[1]["bias"] = (torch.tensor([3, 4]), base.bias.data[3:5].clone(), torch.tensor([-1.0, 0.5]))
     graft = (1, 2, 0)
+    shape = sparse_delta.linear_shape(base)
     delta = sparse_delta._layer_delta(
-        layer, sparse_delta._joined(biases, ("linear", sparse_delta.linear_shape(base))), graft, torch.tensor(graft)
+        layer, sparse_delta._joined(biases, ("linear", shape)), graft, torch.tensor(graft), shape
     )
     with torch.no_grad():
         fast = delta.forward(base, x[:3])

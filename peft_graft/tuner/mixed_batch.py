@@ -268,7 +268,7 @@ def _holders(layer: nn.Module, batch: MixedBatch) -> frozenset[str]:
     """The grafts of ``batch`` with entries in ``layer`` (found once per batch)."""
     holders = batch.holders.get(id(layer))
     if holders is None:
-        sources = _sources(layer)
+        sources = _source_layers(layer)
         holders = batch.holders[id(layer)] = frozenset(
             n for n in batch.positions if n != BASE and any(source.entries(n)[0].numel() for source in sources)
         )
@@ -297,7 +297,7 @@ def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
     return forward
 
 
-def _sources(layer: nn.Module) -> list[nn.Module]:
+def _source_layers(layer: nn.Module) -> list[nn.Module]:
     """The graft layers storing the entries of the tensors ``layer`` applies (itself, and those of tied tensors)."""
     return list({id(source): source for source, _ in layer._sources().values()}.values())
 

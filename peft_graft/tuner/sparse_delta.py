@@ -255,6 +255,7 @@ class LayerDelta:
     weight: torch.Tensor
     padding: torch.Tensor | None
     bias: torch.Tensor | None
+    shape: tuple[int, int, bool]  # the layer's, as linear_shape gives it
     density: float = 0.0  # the largest share of the weight's entries one graft holds
 
     def forward(self, base: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -262,7 +263,7 @@ class LayerDelta:
         onto the bias): the output starts as each example's bias, gets the weight deltas (:meth:`add_deltas`; while it
         is fresh in the cache: a 3,072-wide output no longer is once the product has run), then the base product over
         the whole batch."""
-        out_features, in_features, transposed = linear_shape(base)
+        out_features, in_features, transposed = self.shape
         out = x.new_empty((*x.shape[:-1], out_features))
         start = out.view(x.shape[0], math.prod(x.shape[1:-1]), out_features)
         if self.bias is None:
@@ -298,9 +299,10 @@ def _rows(joined: Joined, numbers: torch.Tensor, *names: str) -> list[torch.Tens
     return [joined.tables[name].index_select(0, numbers) for name in names]
 
 
-def _layer_delta(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor) -> LayerDelta:
-    """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host)."""
-    out_features, in_features, _ = linear_shape(layer.base_layer)
+def _layer_delta(
+    layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, shape: tuple[int, int, bool]
+) -> LayerDelta:
+    """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host; ``shape``: the layer's)."""
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
     columns, rows, by_row, weight = _rows(joined, numbers, "columns", "rows", "by_row", "weight")
@@ -309,8 +311,8 @@ def _layer_delta(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbe
     bias = layer.base_layer.bias
     if "bias" in joined.at:
         bias = _copies(bias, joined, "bias").index_select(0, numbers)
-    density = max(counts) / (out_features * in_features)
-    return LayerDelta(columns, rows, by_row, weight, padding, None if bias is None else bias.data, density)
+    density = max(counts) / (shape[0] * shape[1])
+    return LayerDelta(columns, rows, by_row, weight, padding, None if bias is None else bias.data, shape, density)
 
 
 EXACT_WITH_EXAMPLE_PARAMETERS = "_example_parameters_exact"
@@ -433,7 +435,7 @@ def prepare(
                 continue
         on_device = numbers[graft, joined.device]
         if kind[0] == "linear":
-            results[number] = _layer_delta(layer, joined, graft, on_device)
+            results[number] = _layer_delta(layer, joined, graft, on_device, kind[1])
         elif kind[0] == "layer_norm":
             results[number] = _layer_norm_columns(layer, joined, graft, on_device)
         else:
