@@ -28,6 +28,8 @@ from peft_graft import GraftConfig, Region, RestrictTrainingCallback, TrainingRe
 OPTIMIZERS = {
     "sgd_momentum_decay": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1),
     "adamw_decay": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1),
+    # Trainer's default optimizer (optim="adamw_torch_fused")
+    "adamw_fused_decay": lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, fused=True),
     "adam_coupled_decay": lambda params: torch.optim.Adam(params, lr=0.05, weight_decay=0.1),
 }
 
@@ -257,7 +259,7 @@ class SubclassedAdamW(torch.optim.AdamW):
     """Not one of the optimizers whose zero updates the restriction relies on: it takes the copying path."""
 
 
-@pytest.mark.parametrize("optimizer", ["adamw_decay", "adam_coupled_decay", "sgd_momentum_decay"])
+@pytest.mark.parametrize("optimizer", ["adamw_decay", "adamw_fused_decay", "adam_coupled_decay", "sgd_momentum_decay"])
 def test_sparse_allowed_regions_skip_the_copy_and_train_as_the_copying_path(optimizer):
     """With SGD/Adam/AdamW a sparse allowed region is trained without copying the frozen side: weight decay is applied
     to the allowed entries by hand. The result matches the copying path, which any other optimizer takes."""
