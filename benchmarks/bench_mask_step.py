@@ -108,6 +108,7 @@ from bench_models import (
     load_pretrained,
     minor_faults,
     num_parameters,
+    paired_quartiles,
     prepare_finetuned,
     release_free_memory,
     rss_gb,
@@ -559,14 +560,6 @@ def time_lockstep(args: argparse.Namespace) -> tuple[dict, dict]:
             worker.join()
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """Lower quartile, median and upper quartile (the median thrice for a single value)."""
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    low, median, high = statistics.quantiles(values, n=4, method="inclusive")
-    return low, median, high
-
-
 def profile_steps(name: str, variants: list[str], device: str, dtype: str, cache: str, top: int = 25) -> dict:
     """torch.profiler's operators of one step per variant (after the warm-up): ``{variant: {"calls": total operator
     calls, "ops": [(name, calls, share of self CPU time), ...]}}``, printed as it goes."""
@@ -815,7 +808,7 @@ def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, fl
     for variant, variant_pairs in pairs.items():
         times = [v for _, v in variant_pairs]
         ratios = [v / p for p, v in variant_pairs]
-        low, median, high = quartiles(ratios)
+        low, median, high = paired_quartiles(times, [p for p, _ in variant_pairs])
         results[variant].update({
             "times_s": times, "median_s": statistics.median(times), "pairs_s": variant_pairs,
             "paired_ratios": ratios, "paired_ratio": median, "paired_ratio_quartiles": [low, high],

@@ -128,8 +128,9 @@ def rotated(names: list[str], shift: int) -> list[str]:
 
 def paired_quartiles(times: list[float], base_times: list[float]) -> list[float]:
     """The quartiles (low, median, high) of ``time / base time`` over pairs measured back to back: the load of the
-    machine drifts over a run, and a ratio of medians would carry that drift."""
-    return statistics.quantiles([t / b for t, b in zip(times, base_times, strict=True)], n=4)
+    machine drifts over a run, and a ratio of medians would carry that drift (a single pair: its ratio thrice)."""
+    ratios = [t / b for t, b in zip(times, base_times, strict=True)]
+    return ratios * 3 if len(ratios) == 1 else statistics.quantiles(ratios, n=4)
 
 
 def paired_ratios(name: str, times: list[float], base_times: list[float]) -> dict:
