@@ -287,3 +287,22 @@ def test_packing_and_unpacking_inside_inference_mode_keep_working_tensors(saved)
         assert packed(model, "a") > 0
         assert torch.equal(model(input_ids=input_ids(4)).logits, expected)
     assert torch.equal(run(model), expected)
+
+
+def test_holding_names_the_grafts_with_entries_on_a_layer_as_entries_does(saved):
+    """``GraftLayer.holding`` (how a mixed batch finds the grafts of each layer) agrees with ``entries`` on every layer
+    for a stored graft, a packed one, one learning its region, and a name that is not there."""
+    pre, folder = saved
+    model = load(pre, folder)
+    model.set_adapter("a")  # "a" unpacked (stored), "b" packed
+    finetuned = make_pair("roberta_cls", seed=5)[1]
+    model.add_adapter("c", GraftConfig(finetuned=finetuned, num_entries=8, learn_region=True, task_type="SEQ_CLS"))
+    names = ["a", "b", "c", "missing"]
+    seen, empty = set(), set()
+    for layer in layers(model):
+        expected = {name for name in names if layer.entries(name)[0].numel()}
+        assert layer.holding(names) == expected
+        kind = {name: "learning" if name in layer.graft_learning else "stored" for name in expected}
+        seen |= {"packed" if name in layer.packed else kind[name] for name in expected}
+        empty |= set(names) - expected
+    assert seen == {"stored", "packed", "learning"} and {"a", "c", "missing"} <= empty

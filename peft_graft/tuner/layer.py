@@ -355,6 +355,16 @@ class GraftLayer(nn.Module, BaseTunerLayer):
             return store.entries(self.pack_row)
         return NO_ENTRIES
 
+    def holding(self, adapter_names: list[str]) -> set[str]:
+        """Those of ``adapter_names`` with at least one entry in :meth:`entries`, found without calling it for a stored
+        region (a mixed batch asks every layer for every graft)."""
+        learning, indices = self.graft_learning, self.graft_indices
+        return {
+            name
+            for name in adapter_names
+            if (indices[name].numel() if name in indices and name not in learning else self.entries(name)[0].numel())
+        }
+
     def exact_entries(
         self, adapter_name: str, indices: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

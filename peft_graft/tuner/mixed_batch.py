@@ -268,10 +268,8 @@ def _holders(layer: nn.Module, batch: MixedBatch) -> frozenset[str]:
     """The grafts of ``batch`` with entries in ``layer`` (found once per batch)."""
     holders = batch.holders.get(id(layer))
     if holders is None:
-        sources = _source_layers(layer)
-        holders = batch.holders[id(layer)] = frozenset(
-            n for n in batch.positions if n != BASE and any(source.entries(n)[0].numel() for source in sources)
-        )
+        names = [name for name in batch.positions if name != BASE]
+        holders = batch.holders[id(layer)] = frozenset().union(*(s.holding(names) for s in _source_layers(layer)))
     return holders
 
 
