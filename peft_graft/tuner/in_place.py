@@ -86,12 +86,14 @@ class InPlacePlan:
             tensor = owner.get(key)
             if id(tensor) != identity or tensor.data_ptr() != data_ptr:
                 return False
-        return (
-            all(key not in owner for owner, key in self.absent)
-            and all(owner.get(key, 1.0) == scale for owner, key, scale in self.scales)
-            and all(key not in owner for owner, key in self.learning)
-            and all(owner.get(key) is slot for owner, key, slot in self.slots)
-        )
+        # Loops, not all() over generators: a mixed batch checks every graft's plan on every layer
+        for owner, key in self.absent + self.learning:
+            if key in owner:
+                return False
+        for owner, key, scale in self.scales:
+            if owner.get(key, 1.0) != scale:
+                return False
+        return all(owner.get(key) is slot for owner, key, slot in self.slots)
 
     def run(self, base_layer: nn.Module, args: tuple, kwargs: dict) -> Any:
         """The base forward with the entries written into the base tensors, which get their originals back after it
