@@ -86,7 +86,7 @@ class InPlacePlan:
             tensor = owner.get(key)
             if id(tensor) != identity or tensor.data_ptr() != data_ptr:
                 return False
-        # Loops, not all() over generators: a mixed batch checks every graft's plan on every layer
+        # Loops rather than all() over generators (slots is mostly empty): a mixed batch checks every plan per layer
         for owner, key in self.absent + self.learning:
             if key in owner:
                 return False
