@@ -167,7 +167,8 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
     """The padded tables of :class:`Joined` (``columns``: per base tensor, the grafts' indices, base values and values).
 
     - linear: ``columns``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight entries by
-      column, ``rows`` by row and ``by_row``: where each slot of ``rows`` is in column order; ``owner_bias``: the graft
+      column, ``rows`` by row and ``by_row``: where each slot of ``rows`` is in column order (the three stacked as
+      ``indices``, picked with one ``index_select``); ``owner_bias``: the graft
       of each bias entry (to write its values into a copy of the bias per graft);
     - layer_norm: ``columns``, the features a graft changes (its entries' in each tensor in turn), padded by
       the row's first column again (elsewhere a padded slot would recompute a feature the graft leaves, which stays
@@ -191,7 +192,8 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
         tables["rows"] = _padded([r[order] for r, order in zip(rows, by_row, strict=True)])
         tables["padding"] = _padding([at.numel() for at in indices] + [0], tables["weight"])
         slots = torch.arange(tables["weight"].shape[1], device=device)
-        tables["by_row"] = torch.where(tables["padding"], slots, _padded(by_row))  # a padded slot stays in place
+        by_row = torch.where(tables["padding"], slots, _padded(by_row))  # a padded slot stays in place
+        tables["indices"] = torch.stack([tables.pop("columns"), tables.pop("rows"), by_row])
     for attr, (indices, *_) in columns.items():
         if attr != "weight" or kind[0] != "linear":
             tables[f"owner_{attr}"] = torch.cat([torch.full_like(at, number) for number, at in enumerate(indices)])
@@ -305,7 +307,8 @@ def _layer_delta(
     """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host; ``shape``: the layer's)."""
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
-    columns, rows, by_row, weight = _rows(joined, numbers, "columns", "rows", "by_row", "weight")
+    columns, rows, by_row = joined.tables["indices"].index_select(1, numbers).unbind(0)
+    weight = joined.tables["weight"].index_select(0, numbers)
     padded = any(counts[number] < width for number in graft)
     padding = _rows(joined, numbers, "padding")[0] if padded else None
     bias = layer.base_layer.bias
