@@ -166,10 +166,10 @@ def _joined(grafts: list[Values], kind: tuple) -> Joined:
 def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, torch.Tensor]:
     """The padded tables of :class:`Joined` (``columns``: per base tensor, the grafts' indices, base values and values).
 
-    - linear: ``columns``, ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight entries by
-      column, ``rows`` by row and ``by_row``: where each slot of ``rows`` is in column order (the three stacked as
-      ``indices``, picked with one ``index_select``); ``owner_bias``: the graft
-      of each bias entry (to write its values into a copy of the bias per graft);
+    - linear: ``weight`` (the deltas) and ``padding`` (where a row is padding) of the weight entries by column;
+      ``indices``, three tables stacked so that a batch picks them with one ``index_select``: the entries' columns (by
+      column), their rows (by row) and where each slot of the rows is in column order; ``owner_bias``: the graft of
+      each bias entry (to write its values into a copy of the bias per graft);
     - layer_norm: ``columns``, the features a graft changes (its entries' in each tensor in turn), padded by
       the row's first column again (elsewhere a padded slot would recompute a feature the graft leaves, which stays
       the kernel's bit for bit), ``empty``: the rows without any (the last, for none), and
@@ -188,12 +188,12 @@ def _tables(columns: dict[str, list], kind: tuple, grafts: int) -> dict[str, tor
         indices, _, deltas = columns.get("weight", none)
         rows, cols = zip(*(_rows_and_columns(at, kind[1]) for at in indices), strict=True)
         by_row = [torch.argsort(r * in_features + c, stable=True) for r, c in zip(rows, cols, strict=True)]
-        tables.update(columns=_padded(cols), weight=_padded(deltas))
-        tables["rows"] = _padded([r[order] for r, order in zip(rows, by_row, strict=True)])
+        tables["weight"] = _padded(deltas)
         tables["padding"] = _padding([at.numel() for at in indices] + [0], tables["weight"])
         slots = torch.arange(tables["weight"].shape[1], device=device)
-        by_row = torch.where(tables["padding"], slots, _padded(by_row))  # a padded slot stays in place
-        tables["indices"] = torch.stack([tables.pop("columns"), tables.pop("rows"), by_row])
+        row_order = torch.where(tables["padding"], slots, _padded(by_row))  # a padded slot stays in place
+        by_rows = _padded([r[order] for r, order in zip(rows, by_row, strict=True)])
+        tables["indices"] = torch.stack([_padded(cols), by_rows, row_order])
     for attr, (indices, *_) in columns.items():
         if attr != "weight" or kind[0] != "linear":
             tables[f"owner_{attr}"] = torch.cat([torch.full_like(at, number) for number, at in enumerate(indices)])
