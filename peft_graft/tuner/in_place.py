@@ -87,9 +87,10 @@ class InPlacePlan:
             if id(tensor) != identity or tensor.data_ptr() != data_ptr:
                 return False
         # Loops rather than all() over generators (slots is mostly empty): a mixed batch checks every plan per layer
-        for owner, key in self.absent + self.learning:
-            if key in owner:
-                return False
+        for missing in (self.absent, self.learning):
+            for owner, key in missing:
+                if key in owner:
+                    return False
         for owner, key, scale in self.scales:
             if owner.get(key, 1.0) != scale:
                 return False
