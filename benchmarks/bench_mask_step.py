@@ -108,8 +108,8 @@ from bench_models import (
     load_pretrained,
     minor_faults,
     num_parameters,
-    paired_quartiles,
     prepare_finetuned,
+    ratio_quartiles,
     release_free_memory,
     rss_gb,
 )
@@ -808,7 +808,7 @@ def paired_times(results: dict[str, dict], pairs: dict[str, list[tuple[float, fl
     for variant, variant_pairs in pairs.items():
         times = [v for _, v in variant_pairs]
         ratios = [v / p for p, v in variant_pairs]
-        low, median, high = paired_quartiles(times, [p for p, _ in variant_pairs])
+        low, median, high = ratio_quartiles(ratios)
         results[variant].update({
             "times_s": times, "median_s": statistics.median(times), "pairs_s": variant_pairs,
             "paired_ratios": ratios, "paired_ratio": median, "paired_ratio_quartiles": [low, high],

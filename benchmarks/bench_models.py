@@ -128,8 +128,12 @@ def rotated(names: list[str], shift: int) -> list[str]:
 
 def paired_quartiles(times: list[float], base_times: list[float]) -> list[float]:
     """The quartiles (low, median, high) of ``time / base time`` over pairs measured back to back: the load of the
-    machine drifts over a run, and a ratio of medians would carry that drift (a single pair: its ratio thrice)."""
-    ratios = [t / b for t, b in zip(times, base_times, strict=True)]
+    machine drifts over a run, and a ratio of medians would carry that drift."""
+    return ratio_quartiles([t / b for t, b in zip(times, base_times, strict=True)])
+
+
+def ratio_quartiles(ratios: list[float]) -> list[float]:
+    """The quartiles (low, median, high) of paired ratios (a single ratio: itself thrice)."""
     return ratios * 3 if len(ratios) == 1 else statistics.quantiles(ratios, n=4)
 
 

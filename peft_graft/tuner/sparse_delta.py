@@ -295,10 +295,10 @@ class LayerDelta:
         return out
 
 
-def _rows(joined: Joined, numbers: torch.Tensor, *names: str) -> list[torch.Tensor]:
-    """The rows of ``joined``'s tables ``names`` for each example (``numbers``: per example, its graft's position in
+def _rows(joined: Joined, numbers: torch.Tensor, name: str) -> torch.Tensor:
+    """The rows of ``joined``'s table ``name`` for each example (``numbers``: per example, its graft's position in
     the joined order, the number of grafts for none)."""
-    return [joined.tables[name].index_select(0, numbers) for name in names]
+    return joined.tables[name].index_select(0, numbers)
 
 
 def _layer_delta(
@@ -308,9 +308,9 @@ def _layer_delta(
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
     columns, rows, by_row = joined.tables["indices"].index_select(1, numbers).unbind(0)
-    weight = joined.tables["weight"].index_select(0, numbers)
+    weight = _rows(joined, numbers, "weight")
     padded = any(counts[number] < width for number in graft)
-    padding = _rows(joined, numbers, "padding")[0] if padded else None
+    padding = _rows(joined, numbers, "padding") if padded else None
     bias = layer.base_layer.bias
     if "bias" in joined.at:
         bias = _copies(bias, joined, "bias").index_select(0, numbers)
@@ -409,7 +409,7 @@ def _layer_norm_columns(layer: nn.Module, joined: Joined, graft: tuple[int, ...]
     else:
         bias = _copies(base.bias, joined, "bias").gather(1, columns).index_select(0, numbers)
     entries = joined.lengths(*joined.counts)
-    empty = _rows(joined, numbers, "empty")[0] if any(entries[n] == 0 for n in graft) else None  # rows of padding only
+    empty = _rows(joined, numbers, "empty") if any(entries[n] == 0 for n in graft) else None  # rows of padding only
     return LayerNormColumns(columns.index_select(0, numbers), weight, bias, empty, base.normalized_shape[0])
 
 
