@@ -4,7 +4,8 @@ run_finetune.py, run_graft.py and run_evaluate.py import this module; they never
 
 Every dataset argument is a local file (``.csv``, ``.tsv``, ``.json``, ``.jsonl``, ``.parquet``), a folder written by
 ``Dataset.save_to_disk``, or a Hub dataset id (``"glue"`` with ``dataset_config_name="sst2"``); every model argument is
-a local folder or a Hub model id. Local tables are read with pandas (no ``load_dataset("csv")`` cache side effects).
+a local folder or a Hub model id. Local files are read by :func:`read_frame` (no ``load_dataset("csv")`` cache side
+effects); examples/README.md ("Your data files") says how each format, text and label is read.
 """
 
 from __future__ import annotations
