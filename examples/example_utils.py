@@ -675,6 +675,8 @@ def _column_hint(path: Path, columns: list, missing: list[str]) -> str:
         return " The header holds tabs: this looks tab-separated, name it .tsv."
     if suffix in UNQUOTED_SUFFIXES and len(names) == 1 and "," in names[0]:
         return " The header holds commas and no tab: this looks comma-separated, name it .csv."
+    if len(names) == 1 and ";" in names[0]:
+        return f" The header holds ';' and no {'tab' if suffix in UNQUOTED_SUFFIXES else 'comma'}: {SEMICOLONS}."
     near = [f"{name!r} for {want!r}" for want in missing for name in names
             if name != want and name.strip().casefold() == want.casefold()]  # fmt: skip
     return f" Close matches (case or surrounding spaces): {', '.join(near)}." if near else ""
@@ -807,6 +809,9 @@ def _read_delimited(path: Path) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=names, dtype=object)
 
 
+SEMICOLONS = "this looks semicolon-separated (a spreadsheet's CSV in some locales): save it with commas, or as .tsv"
+
+
 def _ragged(path: Path, line: int, record: list[str], header_line: int, header: list[str]) -> str:
     """The error of a row with more or fewer fields than the header, with the likely cause."""
     suffix = path.suffix.lower()
@@ -814,6 +819,8 @@ def _ragged(path: Path, line: int, record: list[str], header_line: int, header: 
         hint = "this looks tab-separated: name it .tsv"
     elif suffix in UNQUOTED_SUFFIXES and len(header) == 1 and "," in header[0]:
         hint = "this looks comma-separated: name it .csv"
+    elif len(header) == 1 and ";" in header[0]:
+        hint = SEMICOLONS
     elif suffix == ".csv" and any("\n" in field or "\r" in field for field in record):
         end = line + sum(field.rstrip("\r\n").count("\n") for field in record)
         hint = (f'a \'"\' opens a quoted cell that runs on to line {end}: close the quote, or double a \'"\' inside a '
