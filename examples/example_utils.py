@@ -475,7 +475,7 @@ def load_splits(
     check_classes(frame, data_args.training_data, data_args.label_column)
     label_names = label_names or label_names_of(frame, data_args.training_data)
     train = encode_labels(frame, label_names, data_args.training_data)
-    train = k_shot(train, data_args.k_shot or None, data_args.k_shot_seed)
+    train = k_shot(train, data_args.k_shot or None, data_args.k_shot_seed, label_names)
     if data_args.k_shot:
         logger.info("Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot,
                     data_args.k_shot_seed)  # fmt: skip
@@ -1112,14 +1112,15 @@ def encode_labels(frame: pd.DataFrame, label_names: list[str], source: str | Non
     return frame.assign(label=ids.astype(int) if labelled.all() else ids.astype(object).where(labelled, None))
 
 
-def k_shot(frame: pd.DataFrame, k: int | None, seed: int) -> pd.DataFrame:
-    """``k`` examples of every class, sampled with ``seed`` (all examples when ``k`` is None)."""
+def k_shot(frame: pd.DataFrame, k: int | None, seed: int, label_names: list[str] | None = None) -> pd.DataFrame:
+    """``k`` examples of every class, sampled with ``seed`` (all examples when ``k`` is None); a class with fewer is an
+    error naming it (by ``label_names``, else its id) and its count."""
     if k is None:
         return frame.sample(frac=1.0, random_state=seed).reset_index(drop=True)
     if k < 1:
         raise ValueError(f"k_shot must be >= 1, got {k}.")
     counts = frame["label"].value_counts()
-    short = {str(c): int(n) for c, n in counts.items() if n < k}
+    short = {label_names[c] if label_names else str(c): int(n) for c, n in counts.items() if n < k}
     if short:
         raise ValueError(f"k_shot={k} exceeds the number of examples of class(es) {short}: lower --k_shot.")
     parts = [group.sample(n=k, random_state=seed) for _, group in frame.groupby("label", sort=True)]

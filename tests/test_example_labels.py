@@ -260,3 +260,11 @@ def test_json_texts_in_a_pandas_columns_document_and_a_single_object(tmp_path):
     assert U.read_table(_file(tmp_path, "lists.json", lists))["label"].tolist() == ["x", "y"]
     one = json.dumps({"text": "a", "label": "x"}, indent=2)
     assert U.read_table(_file(tmp_path, "one.json", one))["text"].tolist() == ["a"]
+
+
+def test_k_shot_names_a_short_class_by_its_name(tmp_path):
+    path = _file(tmp_path, "train.csv", "text,label\na,pos\nb,neg\nc,neg\n")
+    frame = U.encode_labels(U.read_table(path), ["neg", "pos"])
+    with pytest.raises(ValueError, match=r"k_shot=2 exceeds the number of examples of class\(es\) \{'pos': 1\}"):
+        U.k_shot(frame, 2, seed=0, label_names=["neg", "pos"])
+    assert sorted(U.k_shot(frame, 1, seed=0)["label"]) == [0, 1]
