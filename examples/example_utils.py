@@ -4,7 +4,8 @@ run_finetune.py, run_graft.py and run_evaluate.py import this module; they never
 
 Every dataset argument is a local file (``.csv``, ``.tsv``, ``.json``, ``.jsonl``, ``.parquet``), a folder written by
 ``Dataset.save_to_disk``, or a Hub dataset id (``"glue"`` with ``dataset_config_name="sst2"``); every model argument is
-a local folder or a Hub model id. Local tables are read with pandas (no ``load_dataset("csv")`` cache side effects).
+a local folder or a Hub model id. Local files are read by :func:`read_frame` (no ``load_dataset("csv")`` cache side
+effects); examples/README.md ("Your data files") says how each format, text and label is read.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -19,9 +21,11 @@ import re
 import shlex
 import shutil
 import sys
+import unicodedata
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 import datasets
@@ -469,9 +473,9 @@ def load_splits(
         data_args.label_column,
     )
     check_classes(frame, data_args.training_data, data_args.label_column)
-    label_names = label_names or label_names_of(frame)
+    label_names = label_names or label_names_of(frame, data_args.training_data)
     train = encode_labels(frame, label_names, data_args.training_data)
-    train = k_shot(train, data_args.k_shot or None, data_args.k_shot_seed)
+    train = k_shot(train, data_args.k_shot or None, data_args.k_shot_seed, label_names)
     if data_args.k_shot:
         logger.info("Training set: %d examples (%s per class, seed %d)", len(train), data_args.k_shot,
                     data_args.k_shot_seed)  # fmt: skip
@@ -493,8 +497,9 @@ def load_splits(
 
 
 def check_classes(frame: pd.DataFrame, source: str, label_column: str) -> None:
-    """A classification task needs at least two classes in its training data."""
-    names = label_names_of(frame)
+    """A classification task needs at least two classes in its training data (and no labels that differ only in
+    letter case: :func:`_classes`)."""
+    names = _classes(frame, source)[0]
     if len(names) < 2:
         raise ValueError(
             f"Training data {source!r} has {len(names)} class(es) {names} in column {label_column!r}: classification "
@@ -543,11 +548,18 @@ def predict_and_save(trainer: Trainer, frame: pd.DataFrame, tokenizer, setup: Ta
 
 
 def write_predictions(path: str | os.PathLike, predictions, label_names: list[str], rows=None) -> Path:
-    """run_glue's prediction file: a header ``index\tprediction``, then one line per example: its 0-based data row in
-    the input file (``rows``, default ``0..n-1``) and its predicted class name. Written atomically."""
+    """run_glue's prediction file, tab-separated: a header ``index\tprediction``, then one record per example: its
+    0-based data row in the input file (``rows``, default ``0..n-1``) and its predicted class name.
+
+    A class name that holds a tab, a line break or a ``"`` is quoted as CSV quotes it (``"a<TAB>b"``, a ``"`` doubled),
+    so that ``pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False)`` or ``csv.reader(file, delimiter="\t")``
+    reads one record per example whatever the class names hold. Written atomically."""
     rows = range(len(predictions)) if rows is None else rows
-    lines = ["index\tprediction"] + [f"{r}\t{label_names[int(p)]}" for r, p in zip(rows, predictions, strict=True)]
-    return write_text_atomic(path, "\n".join(lines) + "\n")
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, delimiter="\t", lineterminator="\n")
+    writer.writerow(["index", "prediction"])
+    writer.writerows((row, label_names[int(p)]) for row, p in zip(rows, predictions, strict=True))
+    return write_text_atomic(path, buffer.getvalue())
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -561,7 +573,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 
 def _looks_like_path(name: str) -> bool:
-    return os.sep in name or name.startswith(".") or Path(name).suffix.lower() in {*TABLE_SUFFIXES, ".json", ".jsonl"}
+    return os.sep in name or name.startswith(".") or Path(name).suffix.lower() in DATA_FILE_SUFFIXES
 
 
 def read_table(
@@ -576,8 +588,9 @@ def read_table(
     per example of the data in order: the index is the example's 0-based data row (header excluded), which every
     prediction file writes as its ``index``.
 
-    Nothing is dropped. Texts are read as written (``NA``, ``null`` and an empty text are texts); a missing text (a
-    JSON ``null``, a missing parquet value) is a ``ValueError`` naming the rows. A label cell that is empty or one of
+    Nothing is dropped. Texts are read as written (``NA``, ``null`` and an empty text are texts; a number or
+    true/false as :func:`cell_text` spells it); a missing text (a JSON ``null``, a missing parquet value) and a list or
+    object in the text or label column are ``ValueError``s naming the rows. A label cell that is empty or one of
     :data:`MISSING_LABELS` is missing: a ``ValueError`` naming the rows when ``label_required``, else kept as None (a
     test row to predict; scored only where it has a label). ``text_column=None`` reads 'text', else 'sentence'.
     ``label_required=False``: a file without the label column gives a frame with ``text`` alone.
@@ -605,23 +618,27 @@ def read_table(
             ) from error
     if frame.empty:
         raise ValueError(f"Dataset {name_or_path!r} has no rows: give a file or split with at least one example.")
-    if text_column is None:
-        text_column = next((c for c in TEXT_COLUMNS if c in frame.columns), TEXT_COLUMNS[0])
+    text_column = _text_column(frame, name_or_path, text_column, label_column)
     columns = [text_column] + ([label_column] if label_required or label_column in frame.columns else [])
     missing = [c for c in columns if c not in frame.columns]
     if missing:
+        flags = " and ".join(("--text_column" if c == text_column else "--label_column") for c in missing)
         raise ValueError(
-            f"Dataset {name_or_path!r} has no column(s) {missing}; its columns are {list(frame.columns)}. Set "
-            "--text_column and --label_column (defaults: 'text' or 'sentence', and 'label')."
+            f"Dataset {name_or_path!r} has no column(s) {missing} ({flags}); its columns are {list(frame.columns)}."
+            f"{_column_hint(path, list(frame.columns), missing)} Set {flags} to the column(s) that hold the text and "
+            "the label (defaults: 'text' or 'sentence', and 'label')."
         )
     frame = frame[columns].rename(columns={text_column: "text", label_column: "label"}).reset_index(drop=True)
+    for column, name in (("text", text_column), ("label", label_column)):
+        if column in frame:
+            _check_cells(frame[column], name_or_path, name)
     no_text = frame["text"].isna().to_numpy()
     if no_text.any():
         raise ValueError(
             f"Dataset {name_or_path!r}: {describe_rows(name_or_path, np.flatnonzero(no_text))} have no text (null) in "
             f'column {text_column!r}: write the text (an empty text is "") or delete those rows.'
         )
-    frame["text"] = frame["text"].map(str)
+    frame["text"] = frame["text"].map(cell_text).astype(object)
     if "label" in frame:
         unlabelled = frame["label"].map(is_missing_label).to_numpy(dtype=bool)
         if label_required and unlabelled.any():
@@ -631,8 +648,77 @@ def read_table(
                 "evaluation example needs one. Fill in those labels or delete the rows (a --test_file may leave "
                 "labels out: its rows are predicted, and scored where they have a label)."
             )
-        frame["label"] = frame["label"].where(~unlabelled, None)
+        frame["label"] = frame["label"].astype(object).where(~unlabelled, None)
     return frame
+
+
+def _text_column(frame: pd.DataFrame, source: str, text_column: str | None, label_column: str) -> str:
+    """The text column: ``text_column``, else 'text' or 'sentence'; never the label column."""
+    given = text_column is not None
+    if text_column is None:
+        text_column = next((c for c in TEXT_COLUMNS if c in frame.columns), TEXT_COLUMNS[0])
+    if text_column == label_column:
+        default = "" if given else " (by default)"
+        raise ValueError(
+            f"--text_column{default} and --label_column both name column {text_column!r} of {source!r}: the text and "
+            f"the label must be two columns. Set --text_column and --label_column to two of its columns "
+            f"{list(frame.columns)}."
+        )
+    return text_column
+
+
+def _column_hint(path: Path, columns: list, missing: list[str]) -> str:
+    """Why a column may be missing: the wrong delimiter for the suffix, or a name that differs in case or spaces."""
+    names = [str(c) for c in columns]
+    suffix = path.suffix.lower()
+    if suffix == ".csv" and any("\t" in name for name in names):
+        return " The header holds tabs: this looks tab-separated, name it .tsv."
+    if suffix in UNQUOTED_SUFFIXES and len(names) == 1 and "," in names[0]:
+        return " The header holds commas and no tab: this looks comma-separated, name it .csv."
+    if len(names) == 1 and ";" in names[0]:
+        return f" The header holds ';' and no {'tab' if suffix in UNQUOTED_SUFFIXES else 'comma'}: {SEMICOLONS}."
+    near = [f"{name!r} for {want!r}" for want in missing for name in names
+            if name != want and name.strip().casefold() == want.casefold()]  # fmt: skip
+    return f" Close matches (case or surrounding spaces): {', '.join(near)}." if near else ""
+
+
+# The types a text or label cell may hold: a string, a number, true/false (or missing: None, NaN).
+SCALARS = (str, bool, int, float, Decimal, np.bool_, np.integer, np.floating)
+
+
+def _check_cells(column: pd.Series, source: str, name: str) -> None:
+    """A text or label cell holding a list, an object or anything but a string, number or true/false is an error."""
+    bad = column.map(lambda value: not (value is None or value is pd.NA or isinstance(value, SCALARS)))
+    bad = bad.to_numpy(dtype=bool)
+    if bad.any():
+        kinds = sorted({_kind(value) for value in column[bad]})
+        raise ValueError(
+            f"Dataset {source!r}: {describe_rows(source, np.flatnonzero(bad))} hold {' and '.join(kinds)} in column "
+            f"{name!r}: a text or a label is a string (a number or true/false is read as written). Write each as "
+            'one string (e.g. "[1, 2]" in quotes), or point --text_column/--label_column at another column.'
+        )
+
+
+def _kind(value) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def cell_text(value) -> str:
+    """A text cell as text: a string as written; a number or true/false in its JSON spelling (``12``, ``1.5``, ``true``;
+    a JSON file's numbers are read as spelled in the file, ``1.50`` stays ``1.50``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    return str(value)
 
 
 # A label cell read as missing: empty, or one of pandas' usual spellings of a missing value. A text is always a text.
@@ -643,35 +729,36 @@ def is_missing_label(value) -> bool:
     """Whether a label cell holds no label: None, NaN or a string of :data:`MISSING_LABELS` (spaces ignored)."""
     if isinstance(value, str):
         return value.strip() in MISSING_LABELS
-    return value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA
+    return value is None or (isinstance(value, (float, np.floating)) and np.isnan(value)) or value is pd.NA
 
 
 def read_frame(path: str | os.PathLike) -> pd.DataFrame:
-    """Every row of a local data file (csv, tsv/txt, json/jsonl, parquet) in file order, with a ``RangeIndex``.
+    """Every row and column of a local data file in file order, with a ``RangeIndex``: ``.csv`` (comma-separated,
+    quoted as CSV), ``.tsv``/``.txt`` (tab-separated, one line a row, quotes taken literally), ``.json`` (one array of
+    objects, an object of columns, or JSON lines), ``.jsonl`` (one object per line), ``.parquet``.
 
-    Table cells are read as strings, never turned into NaN (``NA``, ``null``, an empty cell stay text); JSON values
-    keep their JSON types (``null`` is None). An empty file, a header without rows and bytes that are not UTF-8 are
-    each a ``ValueError`` naming the file (and the line of the first bad byte).
+    Text files are UTF-8 (a byte-order mark is skipped). Table cells are read as strings, never turned into NaN
+    (``NA``, ``null``, an empty cell stay text); JSON values keep their types, numbers as strings spelled as in the
+    file (``null`` is None). An empty file, a header without rows, a header naming a column twice, a row with more or
+    fewer fields than the header, a line that is not a JSON object and bytes that are not UTF-8 are each a
+    ``ValueError`` naming the file and the line, and how to fix it.
     """
     path = Path(path)
     suffix = path.suffix.lower()
     try:
-        if suffix in UNQUOTED_SUFFIXES:
-            frame = read_tab_separated(path, dtype=str, keep_default_na=False)
-        elif suffix in TABLE_SUFFIXES:
-            frame = pd.read_csv(path, sep=TABLE_SUFFIXES[suffix], encoding="utf-8", dtype=str, keep_default_na=False)
+        if suffix in TABLE_SUFFIXES:
+            frame = _read_delimited(path)
         elif suffix in (".json", ".jsonl"):
             frame = _read_json(path)
         elif suffix == ".parquet":
             frame = pd.read_parquet(path)
         else:
             raise ValueError(
-                f"Dataset file {str(path)!r}: unsupported suffix {suffix!r}; use csv, tsv, json(l), parquet."
+                f"Dataset file {str(path)!r}: unsupported suffix {suffix!r}; use one of "
+                f"{', '.join(DATA_FILE_SUFFIXES)}."
             )
     except UnicodeDecodeError as error:
         raise ValueError(_not_utf8(path)) from error
-    except pd.errors.EmptyDataError as error:
-        raise ValueError(f"{str(path)!r} is empty: a data file needs a header line and one row per example.") from error
     if frame.empty:
         raise ValueError(
             f"{str(path)!r} has no rows (columns: {list(frame.columns)}): add one row per example after the header."
@@ -679,9 +766,177 @@ def read_frame(path: str | os.PathLike) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+def _records(path: Path):
+    """``(first file line, fields)`` of every non-blank record of a ``.csv`` (CSV quoting: a quoted cell may span
+    lines) or ``.tsv``/``.txt`` file (quotes taken literally: one line, one record), read as UTF-8 (a BOM skipped)."""
+    suffix = path.suffix.lower()
+    quoting = csv.QUOTE_NONE if suffix in UNQUOTED_SUFFIXES else csv.QUOTE_MINIMAL
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # a text may be longer than csv's 128 KiB default
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle, delimiter=TABLE_SUFFIXES[suffix], quoting=quoting)
+        line = 1
+        while True:
+            try:
+                record = next(reader, None)
+            except csv.Error as error:
+                raise ValueError(f"{str(path)!r}, line {reader.line_num}: {error}.") from error
+            if record is None:
+                return
+            if record:
+                yield line, record
+            line = reader.line_num + 1
+
+
+def _read_delimited(path: Path) -> pd.DataFrame:
+    """A ``.csv``/``.tsv``/``.txt`` file (:func:`_records`) as a frame of strings; the first record is the header."""
+    records = _records(path)
+    first = next(records, None)
+    if first is None:
+        raise ValueError(f"{str(path)!r} is empty: a data file needs a header line and one row per example.")
+    header_line, header = first
+    repeated = sorted({name for name in header if name and header.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"{str(path)!r}: the header (line {header_line}) names column(s) {repeated} more than once: rename them so "
+            "that every column has its own name."
+        )
+    rows = []
+    for line, record in records:
+        if len(record) != len(header):
+            raise ValueError(_ragged(path, line, record, header_line, header))
+        rows.append(record)
+    names = [name or f"Unnamed: {i}" for i, name in enumerate(header)]  # pandas' name of a column without one
+    return pd.DataFrame(rows, columns=names, dtype=object)
+
+
+SEMICOLONS = "this looks semicolon-separated (a spreadsheet's CSV in some locales): save it with commas, or as .tsv"
+
+
+def _ragged(path: Path, line: int, record: list[str], header_line: int, header: list[str]) -> str:
+    """The error of a row with more or fewer fields than the header, with the likely cause."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv" and any("\t" in field for field in [*header, *record]):
+        hint = "this looks tab-separated: name it .tsv"
+    elif suffix in UNQUOTED_SUFFIXES and len(header) == 1 and "," in header[0]:
+        hint = "this looks comma-separated: name it .csv"
+    elif len(header) == 1 and ";" in header[0]:
+        hint = SEMICOLONS
+    elif suffix == ".csv" and any("\n" in field or "\r" in field for field in record):
+        end = line + sum(field.rstrip("\r\n").count("\n") for field in record)
+        hint = (f'a \'"\' opens a quoted cell that runs on to line {end}: close the quote, or double a \'"\' inside a '
+                'quoted text ("")')  # fmt: skip
+    elif len(record) < len(header):
+        hint = "write every row with one field per column (an empty label is an empty field: `my text,`)"
+    elif suffix in UNQUOTED_SUFFIXES:
+        hint = ("a tab inside a text splits its row in a .tsv/.txt file (quotes are taken literally there): remove "
+                "the tab, or save the data as .csv, where a quoted cell may hold tabs")  # fmt: skip
+    elif not any(record[len(header) :]):
+        hint = "a delimiter at the end of the line? Remove it, or name the extra column in the header"
+    else:
+        hint = ('a text that holds a comma must be quoted ("a, b"), as pandas\' to_csv and spreadsheet programs '
+                "write it")  # fmt: skip
+    return (
+        f"{str(path)!r}: line {line} has {len(record)} field(s) where the header (line {header_line}) has "
+        f"{len(header)} {header[:8]}: {hint}."
+    )
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object that names a key twice (json keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise _RepeatedKey(repeated)
+    return dict(pairs)
+
+
+def _json_value(text: str):
+    """``json.loads`` keeping every number as the string spelled in ``text`` and refusing repeated keys."""
+    return json.loads(text, parse_int=str, parse_float=str, object_pairs_hook=_unique_keys)
+
+
+def _read_json(path: Path) -> pd.DataFrame:
+    """A ``.json`` file holding one JSON array of objects or one object (of columns, or a single example), or JSON
+    lines (as ``load_dataset("json")`` reads both); a ``.jsonl`` file, JSON lines. Values keep their JSON types,
+    numbers as the strings spelled in the file (``12``, ``1.50``)."""
+    text = path.read_bytes().decode("utf-8-sig")
+    if not text.strip():
+        raise ValueError(f"{str(path)!r} is empty: a data file needs one JSON object per example.")
+    if path.suffix.lower() == ".json":
+        try:
+            document = _json_value(text)
+        except _RepeatedKey as error:
+            raise ValueError(f"{str(path)!r}: an object names key(s) {error.args[0]} twice: keep one.") from error
+        except json.JSONDecodeError:
+            document = None  # JSON lines, read below
+        if isinstance(document, list):
+            return _json_records(path, document)
+        if isinstance(document, dict):
+            return _json_object(path, document)
+    return _json_lines(path, text)
+
+
+def _json_lines(path: Path, text: str) -> pd.DataFrame:
+    """One JSON object per non-blank line (lines end at ``\\n``; a ``\\r`` before it is whitespace)."""
+    rows = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{str(path)!r} is neither JSON lines (an object per line) nor one JSON table: line {number}"
+        try:
+            record = _json_value(line)
+        except _RepeatedKey as error:
+            repeated = f"{str(path)!r}, line {number}: the object names key(s) {error.args[0]} twice: keep one."
+            raise ValueError(repeated) from error
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}, column {error.colno}: {error.msg}.") from error
+        if not isinstance(record, dict):
+            whole = " (a file holding one JSON array is read as .json)" if isinstance(record, list) else ""
+            raise ValueError(f"{where} holds {_json_kind(record)}, not an object{whole}.")
+        rows.append(record)
+    return pd.DataFrame(rows, dtype=object)
+
+
+def _json_kind(value) -> str:
+    return "an array" if isinstance(value, list) else "a string" if isinstance(value, str) else f"{value!r}"
+
+
+def _json_records(path: Path, document: list) -> pd.DataFrame:
+    """A JSON array: one object per example."""
+    wrong = [i for i, record in enumerate(document) if not isinstance(record, dict)]
+    if wrong:
+        raise ValueError(
+            f"{str(path)!r}: element(s) {wrong[:10]} of the JSON array are not objects: write one object per example "
+            '({"text": ..., "label": ...}).'
+        )
+    return pd.DataFrame(document, dtype=object)
+
+
+def _json_object(path: Path, document: dict) -> pd.DataFrame:
+    """A JSON object: columns (``{"text": [...], "label": [...]}`` or pandas' ``{"text": {"0": ...}, ...}``), else one
+    example."""
+    values = list(document.values())
+    if values and all(isinstance(value, list) for value in values):
+        lengths = {key: len(value) for key, value in document.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"{str(path)!r}: its columns have different lengths {lengths}: give each one per example.")
+        return pd.DataFrame(document, dtype=object)
+    if values and all(isinstance(value, dict) for value in values):
+        return pd.DataFrame(document, dtype=object)
+    return pd.DataFrame([document], dtype=object)
+
+
 def _not_utf8(path: Path) -> str:
     """Where the first byte that is not UTF-8 sits in ``path``, and the fix."""
     data = path.read_bytes()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return (
+            f"{str(path)!r} is UTF-16 text (it starts with a UTF-16 byte-order mark), not UTF-8. Re-save it as UTF-8, "
+            "e.g. `iconv -f utf-16 -t utf-8 in.csv > out.csv`, or as 'CSV UTF-8' in a spreadsheet program."
+        )
     try:
         data.decode("utf-8")
         where = ""
@@ -698,116 +953,174 @@ def _not_utf8(path: Path) -> str:
 def line_numbers(path: str | os.PathLike) -> list[int] | None:
     """The 1-based file line on which each 0-based data row of a local csv/tsv/jsonl file starts (the header and
     blank lines are not rows; a quoted CSV cell may span lines); None for files without lines (parquet, a JSON
-    array, a folder, a Hub id)."""
+    document, a folder, a Hub id)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if not path.is_file() or suffix not in (*TABLE_SUFFIXES, ".json", ".jsonl"):
         return None
-    with open(path, encoding="utf-8", newline="") as handle:
-        if suffix in TABLE_SUFFIXES:
-            quoting = csv.QUOTE_NONE if suffix in UNQUOTED_SUFFIXES else csv.QUOTE_MINIMAL
-            reader = csv.reader(handle, delimiter=TABLE_SUFFIXES[suffix], quoting=quoting)
-            starts, line = [], 1
-            for record in reader:
-                if record:
-                    starts.append(line)
-                line = reader.line_num + 1
-            return starts[1:]
-        text = handle.read()
+    if suffix in TABLE_SUFFIXES:
+        return [line for line, _ in _records(path)][1:]
+    text = path.read_bytes().decode("utf-8-sig")
     if suffix == ".json":
         try:
-            json.loads(text)
+            _json_value(text)
             return None  # one JSON document (an array or an object of columns): rows are not lines
         except ValueError:
             pass  # JSON lines
-    return [number for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    return [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
-def describe_rows(name_or_path: str | os.PathLike, rows, limit: int = 10) -> str:
+def describe_rows(name_or_path: str | os.PathLike | None, rows, limit: int = 10) -> str:
     """``"rows 0, 3 (0-based data rows, the index of prediction files; file lines 2, 5)"`` for error messages."""
     rows = [int(row) for row in rows]
     more = f", ... ({len(rows) - limit} more)" if len(rows) > limit else ""
     text = f"{len(rows)} row(s) {', '.join(map(str, rows[:limit]))}{more} (0-based data rows"
-    lines = line_numbers(name_or_path)
+    lines = None if name_or_path is None else line_numbers(name_or_path)
     if lines is not None:
         shown = [str(lines[row]) if row < len(lines) else "?" for row in rows[:limit]]
         text += f"; file lines {', '.join(shown)}{more}"
     return text + ")"
 
 
-def _read_json(path: Path) -> pd.DataFrame:
-    """A ``.json`` file holding one JSON array or object, or JSON lines (as ``load_dataset("json")`` reads both);
-    values keep their JSON types (``dtype=False``: a text ``"NA"`` or ``"12"`` stays that text)."""
-    options = {"dtype": False, "encoding": "utf-8"}
-    if path.stat().st_size == 0:
-        raise ValueError(f"{str(path)!r} is empty: a data file needs one JSON object per example.")
-    try:
-        if path.suffix.lower() == ".jsonl":
-            return pd.read_json(path, lines=True, **options)
-        try:
-            return pd.read_json(path, **options)
-        except UnicodeDecodeError:
-            raise
-        except ValueError:
-            return pd.read_json(path, lines=True, **options)
-    except UnicodeDecodeError:
-        raise
-    except ValueError as error:
-        raise ValueError(
-            f"{str(path)!r} is neither JSON lines (an object per line) nor one JSON table: {error}"
-        ) from error
-
-
 def read_tab_separated(path: str | os.PathLike, **kwargs) -> pd.DataFrame:
     """A UTF-8 tab-separated file with a header line, quotes taken literally (one line, one row); ``kwargs`` go to
     ``pd.read_csv``."""
-    return pd.read_csv(path, sep="\t", encoding="utf-8", quoting=csv.QUOTE_NONE, **kwargs)
+    return pd.read_csv(path, sep="\t", encoding="utf-8-sig", quoting=csv.QUOTE_NONE, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------- labels
+# A label spelled as a decimal number (1, 1.0, 01, +1, 1e3, .5): labels that spell one number name one class.
+NUMBER = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def label_text(value) -> str:
-    """A raw label as its class name: ``str(value)``, an integral float as its integer (a JSON or parquet column of
-    integers with a missing value is read as floats: ``1.0`` names class ``"1"``)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value)
+    """A raw label as its class name when the data write it one way: a string without its surrounding whitespace
+    (Unicode NFC); a number or true/false as :func:`label_key` writes it."""
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value.strip())
+    return label_key(value)
 
 
-def label_names_of(frame: pd.DataFrame) -> list[str]:
-    """Class names in id order: the distinct label values of the labelled rows, sorted by number when every one is a
-    number (``"2"`` before ``"10"``), else as text."""
-    names = sorted({label_text(value) for value in frame["label"] if not is_missing_label(value)})
-    try:
-        return sorted(names, key=float)
-    except ValueError:
-        return names
+def label_key(value) -> str:
+    """The class a raw label names. Labels with one key are one class: the same text but for surrounding whitespace
+    (and Unicode normalization: NFC), or the same number however spelled (``1``, ``1.0``, ``01``, `` 1``, the integer
+    1 and the float 1.0 of a JSON or parquet file: ``"1"``; ``0.50`` and ``.5``: ``"0.5"``); true/false (JSON,
+    parquet) is ``"true"``/``"false"``. Labels that differ in letter case are different keys (and refused together
+    in a training file: :func:`label_names_of`)."""
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return _number_text(Decimal(repr(float(value))))
+    if isinstance(value, Decimal):
+        return _number_text(value)
+    text = label_text(value)
+    return _number_text(Decimal(text)) if NUMBER.fullmatch(text) else text
+
+
+def _number_text(number: Decimal) -> str:
+    """A number's one spelling: an integer without a decimal point (``1``), else the shortest decimal (``0.5``)."""
+    if not number.is_finite():
+        return str(number)
+    if number.is_zero():
+        return "0"
+    if abs(number.adjusted()) > 40:  # 1e999999: no million-digit integer
+        return str(number.normalize())
+    if number == number.to_integral_value():
+        return str(int(number))
+    return format(number.normalize(), "f")
+
+
+def label_names_of(frame: pd.DataFrame, source: str | None = None) -> list[str]:
+    """Class names in id order (:func:`_classes`); a class read from several spellings is logged as a warning."""
+    names, variants = _classes(frame, source)
+    if variants:
+        logger.warning(
+            "%s: labels written several ways are read as one class each (surrounding spaces dropped, numbers compared "
+            "by value): %s", source or "Labels",
+            "; ".join(f"class {name!r} from {', '.join(spellings)}" for name, spellings in variants.items()),
+        )  # fmt: skip
+    return names
+
+
+def _classes(frame: pd.DataFrame, source: str | None) -> tuple[list[str], dict[str, list[str]]]:
+    """The class names of the labelled rows in id order, and for each class read from several spellings, those.
+
+    A class is a :func:`label_key`; its name is its one spelling (:func:`label_text`: ``"01"`` stays ``"01"``), or the
+    key when the data spell it several ways (``"1"`` for ``1``, ``1.0`` and ``01``). Ids: sorted by number when every
+    class is a number (``"2"`` before ``"10"``), else by name. Two labels that differ only in letter case are a
+    ``ValueError`` naming them, their rows (of ``source``) and the fix: one class written two ways, or two classes?"""
+    labels = frame["label"][~frame["label"].map(is_missing_label).to_numpy(dtype=bool)]
+    keys, spellings = labels.map(label_key), labels.map(label_text)
+    raw = labels.map(lambda value: repr(value) if isinstance(value, str) else label_key(value))
+    spelled: dict[str, set[str]] = {}
+    written: dict[str, set[str]] = {}
+    for key, spelling, as_written in zip(keys, spellings, raw, strict=True):
+        spelled.setdefault(key, set()).add(spelling)
+        written.setdefault(key, set()).add(as_written)
+    name_of = {key: next(iter(names)) if len(names) == 1 else key for key, names in spelled.items()}
+    _refuse_case_variants(name_of, keys, source)
+    numeric = all(NUMBER.fullmatch(key) for key in name_of)
+    order = sorted(name_of, key=Decimal) if numeric else sorted(name_of, key=name_of.get)
+    variants = {name_of[key]: sorted(written[key])[:5] for key in order if len(written[key]) > 1}
+    return [name_of[key] for key in order], variants
+
+
+def _refuse_case_variants(name_of: dict[str, str], keys: pd.Series, source: str | None) -> None:
+    groups: dict[str, list[str]] = {}
+    for key in name_of:
+        groups.setdefault(key.casefold(), []).append(key)
+    clash = next((sorted(group) for group in groups.values() if len(group) > 1), None)
+    if clash is None:
+        return
+    where = ", ".join(f"{name_of[key]!r} in {describe_rows(source, keys.index[keys == key])}" for key in clash)
+    raise ValueError(
+        f"{f'Dataset {source!r}: ' if source else ''}the labels {where} differ only in letter case: one class written "
+        f"two ways, or {len(clash)} classes? Write each class one way (e.g. every {name_of[clash[1]]!r} as "
+        f"{name_of[clash[0]]!r}), or give different classes names that differ in more than letter case."
+    )
 
 
 def encode_labels(frame: pd.DataFrame, label_names: list[str], source: str | None = None) -> pd.DataFrame:
-    """Map raw labels to ids ``0..C-1`` by ``label_names``; a label that is not a class is an error naming its rows
-    (of ``source``, the file read). Rows without a label (a test file's) keep None."""
-    index = {name: i for i, name in enumerate(label_names)}
+    """Map raw labels to ids ``0..C-1`` by ``label_names``, each label by its class (:func:`label_key`: ``" 1.0"``
+    is class ``"1"``); a label that is not a class is an error naming its rows (of ``source``, the file read). Rows
+    without a label (a test file's) keep None."""
+    index: dict[str, int] = {}
+    for i, name in enumerate(label_names):
+        first = index.setdefault(label_key(name), i)
+        if first != i:
+            raise ValueError(
+                f"The class names {label_names} name one class twice, {label_names[first]!r} and {name!r} (labels are "
+                "read without surrounding spaces, numbers by value): fine-tune again on the training file, whose "
+                "labels are now read as one class."
+            )
     labelled = ~frame["label"].map(is_missing_label).to_numpy(dtype=bool)
-    raw = frame["label"].map(lambda value: None if is_missing_label(value) else label_text(value))
-    unknown = labelled & ~raw.isin(list(index)).to_numpy()
+    keys = frame["label"].map(lambda value: None if is_missing_label(value) else label_key(value))
+    unknown = labelled & ~keys.isin(list(index)).to_numpy()
     if unknown.any():
         where = f"Dataset {source!r}: {describe_rows(source, np.flatnonzero(unknown))}" if source else "Rows"
-        values = sorted(set(raw[unknown]))
+        values = sorted({label_text(value) for value in frame["label"][unknown]})
+        near = [f"{value!r} differs from class {name!r} only in letter case" for value in values[:5]
+                for name in label_names if value.casefold() == name.casefold()]  # fmt: skip
         raise ValueError(
-            f"{where} have labels {values[:5]} that are not among the training labels {label_names}: fix those "
-            "labels, or give --label_column the column that holds the classes."
+            f"{where} have labels {values[:5]} that are not among the training labels {label_names}"
+            f"{' (' + '; '.join(near) + ')' if near else ''}: fix those labels, or give --label_column the column that "
+            "holds the classes."
         )
-    ids = raw.map(index)
+    ids = keys.map(index)
     return frame.assign(label=ids.astype(int) if labelled.all() else ids.astype(object).where(labelled, None))
 
 
-def k_shot(frame: pd.DataFrame, k: int | None, seed: int) -> pd.DataFrame:
-    """``k`` examples of every class, sampled with ``seed`` (all examples when ``k`` is None)."""
+def k_shot(frame: pd.DataFrame, k: int | None, seed: int, label_names: list[str] | None = None) -> pd.DataFrame:
+    """``k`` examples of every class, sampled with ``seed`` (all examples when ``k`` is None); a class with fewer is an
+    error naming it (by ``label_names``, else its id) and its count."""
     if k is None:
         return frame.sample(frac=1.0, random_state=seed).reset_index(drop=True)
     if k < 1:
         raise ValueError(f"k_shot must be >= 1, got {k}.")
     counts = frame["label"].value_counts()
-    short = {str(c): int(n) for c, n in counts.items() if n < k}
+    short = {label_names[c] if label_names else str(c): int(n) for c, n in counts.items() if n < k}
     if short:
         raise ValueError(f"k_shot={k} exceeds the number of examples of class(es) {short}: lower --k_shot.")
     parts = [group.sample(n=k, random_state=seed) for _, group in frame.groupby("label", sort=True)]

@@ -570,3 +570,59 @@ def test_a_later_run_into_the_same_folders_leaves_no_earlier_result(assets, fine
     names = {p.name for p in report.iterdir()}
     assert "predict_results.csv" not in names and "sweep_accuracy.png" not in names
     assert "reliability_graft_old.png" not in names and "reliability_graft_new.png" in names
+
+
+# ---------------------------------------------------------------------------------------------------- class names
+# Class names that break a line-per-record file unless quoted: a line break, a tab, a quote (issue 60).
+AWKWARD_CLASSES = ("bad\nreview", 'good\t"review"')
+
+
+def _awkward_class_files(tmp_path: Path) -> tuple[str, str]:
+    train, test = tmp_path / "awkward_train.csv", tmp_path / "awkward_test.csv"
+    _rows(16, 0, labels=AWKWARD_CLASSES).to_csv(train, index=False)
+    _rows(4, 1, labels=AWKWARD_CLASSES).to_csv(test, index=False)
+    return str(train), str(test)
+
+
+def test_predict_results_txt_round_trips_class_names_with_line_breaks_and_tabs(assets, tmp_path):
+    """One record per test row whatever the class names hold (quoted as CSV quotes them): 4 rows, not 9 lines' worth."""
+    train, test = _awkward_class_files(tmp_path)
+    out = tmp_path / "ft"
+    finetune(assets, out, "--train_file", train, "--test_file", test, "--do_predict")
+    assert U.TaskSetup.load(out).label_names == sorted(AWKWARD_CLASSES)
+    read = pd.read_csv(out / "predict_results.txt", sep="\t", dtype=str, keep_default_na=False)
+    assert list(read.columns) == ["index", "prediction"]
+    assert read["index"].tolist() == ["0", "1", "2", "3"] and set(read["prediction"]) <= set(AWKWARD_CLASSES)
+
+
+def test_predict_results_csv_round_trips_class_names_with_line_breaks_and_tabs(assets, tmp_path):
+    train, test = _awkward_class_files(tmp_path)
+    ft, graft_dir, report = tmp_path / "ft", tmp_path / "graft", tmp_path / "report"
+    finetune(assets, ft, "--train_file", train)
+    graft(assets, str(ft), graft_dir, "--train_file", train)
+    run_evaluate.main([
+        "--model_name_or_path", assets["model"], "--finetuned_model_name_or_path", str(ft),
+        "--graft_dirs", str(graft_dir), "--test_file", test, "--do_predict", "--sweep", "false",
+        "--report_dir", str(report),
+    ])  # fmt: skip
+    predictions = pd.read_csv(report / "predict_results.csv", dtype=str, keep_default_na=False)
+    assert predictions["index"].tolist() == ["0", "1", "2", "3"]
+    assert predictions["label"].tolist() == pd.read_csv(test)["label"].tolist()
+    assert set(predictions["fine-tuned"]) <= set(AWKWARD_CLASSES)
+
+
+def test_a_hostile_training_file_keeps_every_row_and_class(assets, tmp_path):
+    """Windows line endings, a byte-order mark, blank lines, quoted line breaks, texts that look missing and labels
+    written several ways: every row is read, in order, each under the class its label means."""
+    lines = ["sentence,label", '"the film\r\nwas good", 1', "", "NA,2", '"",1.0', "null,02", "the plot was dull,2.0 ",
+             "None,01", "brilliant and fun,+1"]  # fmt: skip
+    path = tmp_path / "hostile.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8") + b"\r\n")
+    out = tmp_path / "ft"
+    finetune(assets, out, "--train_file", str(path))
+    assert U.TaskSetup.load(out).label_names == ["1", "2"]
+    frame = U.read_table(str(path))
+    assert frame["text"].tolist() == ["the film\r\nwas good", "NA", "", "null", "the plot was dull", "None",
+                                      "brilliant and fun"]  # fmt: skip
+    assert U.encode_labels(frame, ["1", "2"])["label"].tolist() == [0, 1, 0, 1, 1, 0, 0]
+    assert U.line_numbers(str(path)) == [2, 5, 6, 7, 8, 9, 10]
