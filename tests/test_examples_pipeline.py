@@ -193,10 +193,22 @@ def test_k_shot_0_trains_on_the_whole_file(tmp_path):
         U.load_splits(U.DataArguments(dataset_name_or_path=pool, k_shot=5))
 
 
+def _checkpoint(folder: Path) -> Path:
+    """A whole Trainer checkpoint's files (tiny): weights, optimizer, scheduler, RNG state, trainer_state.json."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({"state": 1}, folder / name)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": int(folder.name.split("-")[1])}))
+    return folder
+
+
 def test_a_checkpointed_step_resumes_from_its_last_checkpoint_and_cleans_up(tmp_path):
     step, out = _Step(), tmp_path / "finetuned"
-    (out / "checkpoint-200").mkdir(parents=True)
-    (out / "checkpoint-400").mkdir()
+    _checkpoint(out / "checkpoint-200")
+    _checkpoint(out / "checkpoint-400")
     run_pipeline.resumable_step(step, str(out), ["--max_steps", "1000"], checkpoints=True)
     argv = step.calls[0]
     assert argv[:2] == ["--max_steps", "1000"] and "--save_steps" in argv
@@ -264,6 +276,11 @@ def _own_flags(own_task, work, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _run(own_task) -> str:
+    """The run name of the own-file command with --quick: the training file's folder, name and path digest."""
+    return run_pipeline.own_run_name(own_task["train"]) + "_quick"
+
+
 @pytest.fixture(scope="module")
 def own_run(own_task, tmp_path_factory):
     work = tmp_path_factory.mktemp("own_run")
@@ -282,14 +299,14 @@ def test_your_own_files_run_end_to_end_with_the_main_runs_report(own_task, own_r
     assert evaluated == "test" and results["eval_sets"]["test"]["examples"] == 12
     assert results["temperature_scaling"]["dataset"] == own_task["dev"]
     summary = (report / "summary.md").read_text()
-    assert "Run `own_train_quick`" in summary and run_pipeline.QUICK_NOTE in summary and "| fine-tuned |" in summary
+    assert f"Run `{_run(own_task)}`" in summary and run_pipeline.QUICK_NOTE in summary and "| fine-tuned |" in summary
     assert {"sweep_accuracy.png", "graft_locations.png", "predict_results.csv"} <= {p.name for p in report.iterdir()}
     predictions = pd.read_csv(report / "predict_results.csv")
     test = pd.read_csv(own_task["test"])
     assert predictions["index"].tolist() == list(range(len(test)))  # a row per test row, in file order
     assert predictions["label"].tolist() == test["stars"].tolist()
     assert set(rows) <= set(predictions.columns) and set(predictions["fine-tuned"]) <= {"neg", "pos"}
-    graft = json.loads((work / "work" / "own_train_quick" / "graft_0.01" / "graft_results.json").read_text())
+    graft = json.loads((work / "work" / _run(own_task) / "graft_0.01" / "graft_results.json").read_text())
     assert graft["evaluated_masks"] == 1 and 0 < graft["best_learned_p_value"] <= 1  # the sign test ran on dev
     assert 0 <= graft["iou_with_start"] <= 1 and graft["entries_changed_from_start"] >= 0
     assert results["grafts"][0]["iou_with_start"] == graft["iou_with_start"]  # in the report too
@@ -302,9 +319,9 @@ def test_your_own_fine_tune_skips_fine_tuning(own_task, own_run, tmp_path, monke
         raise AssertionError("fine-tuning ran")
 
     monkeypatch.setattr(run_finetune, "main", refuse)
-    finetuned = str(own_run[0] / "work" / "own_train_quick" / "finetuned")
+    finetuned = str(own_run[0] / "work" / _run(own_task) / "finetuned")
     results = run_pipeline.main(_own_flags(own_task, tmp_path, "--finetuned_model_name_or_path", finetuned))
-    assert not (tmp_path / "work" / "own_train_quick" / "finetuned").exists()
+    assert not (tmp_path / "work" / _run(own_task) / "finetuned").exists()
     assert "fine-tuning skipped" in (tmp_path / "report" / "summary.md").read_text()
     first = own_run[1]["metrics"]["test"]["fine-tuned"]
     assert results["metrics"]["test"]["fine-tuned"] == first  # the same fine-tune, evaluated alike
@@ -312,7 +329,7 @@ def test_your_own_fine_tune_skips_fine_tuning(own_task, own_run, tmp_path, monke
 
 def test_without_a_test_file_the_summary_says_the_figures_are_optimistic(own_task, own_run, tmp_path):
     flags = _own_flags(own_task, tmp_path, "--finetuned_model_name_or_path",
-                       str(own_run[0] / "work" / "own_train_quick" / "finetuned"))  # fmt: skip
+                       str(own_run[0] / "work" / _run(own_task) / "finetuned"))  # fmt: skip
     at = flags.index("--test_file")
     del flags[at : at + 2]
     results = run_pipeline.main(flags)
@@ -395,7 +412,7 @@ def test_checkpoints_of_a_step_on_other_inputs_are_not_resumed(tmp_path):
     class Interrupted(_Step):
         def main(self, argv):
             super().main(argv)
-            (out / "checkpoint-200").mkdir(parents=True, exist_ok=True)
+            _checkpoint(out / "checkpoint-200")
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -404,7 +421,7 @@ def test_checkpoints_of_a_step_on_other_inputs_are_not_resumed(tmp_path):
     run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True, inputs=(str(data),))  # same data: resumed
     assert "--resume_from_checkpoint" in step.calls[0]
     (out / ".pipeline_done").unlink()
-    (out / "checkpoint-200").mkdir()
+    _checkpoint(out / "checkpoint-200")
     data.write_text("text,label\na,1\nb,0\n")
     step = _Step()
     run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True, inputs=(str(data),))
