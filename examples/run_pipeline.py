@@ -30,9 +30,13 @@ also the selection set (optimistic figures, said in the summary).
 
     python examples/run_pipeline.py --train_file train.csv --validation_file dev.csv --test_file test.csv
 
-The task is TREC for the main run and MR for the other presets (``--task`` picks another). Each step leaves a
-``.pipeline_done`` file in its output folder; a second run with the same ``--work_dir`` and settings skips the steps
-already done (long runs resume where they stopped).
+The task is TREC for the main run and MR for the other presets (``--task`` picks another). ``--max_seq_length`` (the
+preset's by default: 64) is the same in every step; how many texts it cut is logged and reported.
+
+Each step leaves a ``.pipeline_done`` mark in its output folder once its result is written: its arguments and the
+content digests of its own inputs (data files, model folders). A second run with the same ``--work_dir`` and settings
+skips the steps done and resumes fine-tuning from its newest whole checkpoint, so a run killed at any point (``kill
+-9``) and run again writes the report of an uninterrupted run (examples/README.md, "Kills and reruns").
 """
 
 from __future__ import annotations
