@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
     data_args = ["--dataset_name_or_path", train or data["train"], *sample,
                  "--max_seq_length", str(settings["max_seq_length"]), *columns]  # fmt: skip
     setup = _task_setup(head, args.finetuned_model_name_or_path, settings["max_seq_length"])
-    truncation = truncation_report(data, _local_model_folder(args.finetuned_model_name_or_path or model), setup,
+    truncation = truncation_report(data, args.finetuned_model_name_or_path or model, setup,
                                    args.text_column if own else None, args.label_column)  # fmt: skip
+    truncation["default"] = PRESETS[settings["preset"]]["max_seq_length"]
     pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU
     # (progress bars follow the scripts' default: on in a terminal, off in a redirected log)
     common = ["--seed", str(args.seed), "--report_to", "none", "--dataloader_pin_memory", pin_memory]
@@ -663,11 +664,11 @@ def _task_setup(head: list[str], finetuned: str | None, max_seq_length: int) -> 
 
 
 def truncation_report(
-    data: dict[str, str], tokenizer_folder: str, setup: U.TaskSetup, text_column: str | None, label_column: str
+    data: dict[str, str], tokenizer_name: str, setup: U.TaskSetup, text_column: str | None, label_column: str
 ) -> dict:
     """How many texts of each data file ``max_seq_length`` cuts, and how many tokens they lose (the classification
     head's texts with their special tokens; a prompt head's sentences beside the template's tokens); logged."""
-    tokenizer = U.load_tokenizer(tokenizer_folder, setup.head)
+    tokenizer = U.load_tokenizer(tokenizer_name, setup.head)
     overhead = 0
     if setup.head != "classification":
         overhead = len(tokenizer(setup.template.format(sentence="", mask=tokenizer.mask_token or ""))["input_ids"])
@@ -684,10 +685,9 @@ def truncation_report(
 
 def truncation_line(truncation: dict) -> str:
     """The summary's sentence on ``max_seq_length`` (``truncation_report``)."""
-    return (
-        f"Texts are cut to max_seq_length {truncation['max_seq_length']} tokens (--max_seq_length): "
-        f"{_cut(truncation['truncated'])}."
-    )
+    length, default = truncation["max_seq_length"], truncation.get("default")
+    given = "the default" if length == default else f"--max_seq_length; the default is {default}"
+    return f"Texts are cut to max_seq_length {length} tokens ({given}): {_cut(truncation['truncated'])}."
 
 
 def _cut(truncated: dict) -> str:

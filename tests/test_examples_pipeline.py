@@ -666,6 +666,7 @@ def test_max_seq_length_is_a_flag_passed_to_every_step_and_reported(own_task, ow
     assert "--max_seq_length" in capsys.readouterr().out
     results, run = own_run[1], own_run[0] / "work" / _run(own_task)
     assert results["max_seq_length"] == 64 and results["truncation"]["max_seq_length"] == 64
+    assert results["truncation"]["default"] == 64
     for folder in ("finetuned", "graft_0.01"):
         assert json.loads((run / folder / "graft_example.json").read_text())["max_seq_length"] == 64
 
@@ -686,6 +687,42 @@ def test_max_seq_length_is_a_flag_passed_to_every_step_and_reported(own_task, ow
         assert short["truncation"]["truncated"][name] == expected and expected["texts"] > 0
     summary = (tmp_path / "report" / "summary.md").read_text()
     train = short["truncation"]["truncated"]["train"]
-    assert f"cut to max_seq_length 6 tokens (--max_seq_length): train {train['texts']} of 48 texts" in summary
+    assert (
+        f"cut to max_seq_length 6 tokens (--max_seq_length; the default is 64): train {train['texts']} of 48" in summary
+    )
+    assert (
+        "cut to max_seq_length 64 tokens (the default): train 0 of 48 texts"
+        in (own_run[0] / "report" / "summary.md").read_text()
+    )
     with pytest.raises(ValueError, match="--max_seq_length 65 is more than the 64 positions"):
         run_pipeline.main(_own_flags(own_task, tmp_path / "long", "--max_seq_length", "65"))
+
+
+def test_an_interrupted_gguf_conversion_is_not_taken_for_done(tmp_path, monkeypatch):
+    """The --causal runs' dequantized model folder is renamed into place once whole: a conversion interrupted while
+    saving (here: in the tokenizer's save, after the weights) leaves no model folder, and the rerun converts again."""
+    import example_utils as U
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    config = GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8)
+    monkeypatch.setattr(U.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: GPT2LMHeadModel(config))
+
+    class Tokenizer:
+        fail = True
+
+        def save_pretrained(self, folder):
+            if Tokenizer.fail:
+                raise KeyboardInterrupt  # killed here
+            Path(folder, "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(U.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    out = tmp_path / "smollm"
+    with pytest.raises(KeyboardInterrupt):
+        U.gguf_to_safetensors(gguf, out)
+    assert not out.exists()
+    Tokenizer.fail = False
+    assert U.gguf_to_safetensors(gguf, out) == str(out)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert not list(tmp_path.glob(".*.partial"))
