@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,12 @@ def _killed_run(flags: list[str], point: str, steps: Path) -> None:
     starts recorded in ``steps``."""
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():  # (Python 3.12+ warns of fork in a process with threads: the child runs one)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         try:
+            torch.set_num_threads(1)
             with pytest.MonkeyPatch.context() as patch:
                 _kill_at(point, patch)
                 _record_steps(steps, patch)
