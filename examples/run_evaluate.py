@@ -33,7 +33,8 @@ Writes into ``--report_dir``:
 
 * ``results.json``: ``metrics`` (evaluation set -> model name -> report), ``models`` (model name -> kind, entries,
   temperature; in table order), ``eval_sets``, ``grafts``, ``compare_models`` (name, folder, kind, trained entries;
-  empty without ``--compare_models``), ``graft_stats`` (the first graft), ``pretrained_name``,
+  empty without ``--compare_models``), ``graft_stats`` (the first graft), ``pretrained_name``, ``max_seq_length``
+  (``--max_seq_length``, default the fine-tune's),
   ``temperature_scaling`` (None without a temperature set), the sweep (``sweep``, ``sweep_references``,
   ``sweep_set``, ``sweep_examples``; absent with ``--sweep false``) and ``timings``;
 * ``summary.md``: a table per evaluation set (model | entries | accuracy % | ECE % | MCE % | Brier | NLL | agreement
