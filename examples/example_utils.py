@@ -1330,7 +1330,9 @@ def freeze(model: torch.nn.Module, embeddings: bool, lm_head: bool) -> list[str]
 def gguf_to_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """Dequantize a GGUF causal LM once and save it (with its tokenizer) as a safetensors model folder.
 
-    ``save_pretrained`` refuses a GGUF-loaded model, so the state dict is copied into a fresh model first.
+    ``save_pretrained`` refuses a GGUF-loaded model, so the state dict is copied into a fresh model first. The folder
+    is written beside ``out_dir`` and renamed into place once whole: a run killed while saving leaves no folder that a
+    rerun would take for done.
     """
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
@@ -1345,6 +1347,12 @@ def gguf_to_safetensors(gguf_path: str | os.PathLike, out_dir: str | os.PathLike
         del config.quantization_config
     fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict())
-    fresh.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    for folder in (partial, out_dir):  # an interrupted earlier save (no config.json in out_dir): done again
+        if folder.exists():
+            logger.info("Removing %s, left by an interrupted conversion", folder)
+            shutil.rmtree(folder)
+    fresh.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(partial)
+    os.replace(partial, out_dir)
     return str(out_dir)

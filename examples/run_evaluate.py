@@ -33,7 +33,8 @@ Writes into ``--report_dir``:
 
 * ``results.json``: ``metrics`` (evaluation set -> model name -> report), ``models`` (model name -> kind, entries,
   temperature; in table order), ``eval_sets``, ``grafts``, ``compare_models`` (name, folder, kind, trained entries;
-  empty without ``--compare_models``), ``graft_stats`` (the first graft), ``pretrained_name``,
+  empty without ``--compare_models``), ``graft_stats`` (the first graft), ``pretrained_name``, ``max_seq_length``
+  (``--max_seq_length``, default the fine-tune's),
   ``temperature_scaling`` (None without a temperature set), the sweep (``sweep``, ``sweep_references``,
   ``sweep_set``, ``sweep_examples``; absent with ``--sweep false``) and ``timings``;
 * ``summary.md``: a table per evaluation set (model | entries | accuracy % | ECE % | MCE % | Brier | NLL | agreement
@@ -59,6 +60,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -123,6 +125,12 @@ class EvaluateArguments:
     do_predict: bool = field(
         default=False,
         metadata={"help": "Write predict_results.csv: every model's predicted label on --test_file, in file order."},
+    )
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per example (prompt included); default: the fine-tuned model's (graft_example.json)."
+        },
     )
     eval_names: list[str] | None = field(default=None, metadata={"help": "A name per evaluation set."})
     eval_split: str = field(default="validation", metadata={"help": "Split of Hub/on-disk evaluation sets."})
@@ -390,6 +398,8 @@ def main(args: list[str] | None = None) -> dict:
             f"--f1 reports binary F1 (of class 1) and needs a 2-class task, but {ft!r} has {setup.num_labels} "
             f"classes {setup.label_names}. Drop --f1: accuracy and the calibration metrics cover any number of classes."
         )
+    if eval_args.max_seq_length is not None:
+        setup = dataclasses.replace(setup, max_seq_length=eval_args.max_seq_length)
     pretrained_name = "pre-trained + FT head" if setup.head == "classification" else "pre-trained (zero-shot)"
     compared = parse_compare_models(eval_args.compare_models, setup)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -600,6 +610,7 @@ def main(args: list[str] | None = None) -> dict:
             "per_module_type": main_stats.per_module_type,
         },
         "pretrained_name": pretrained_name,
+        "max_seq_length": setup.max_seq_length,
         "temperature_scaling": None,
     }
     if scalers:

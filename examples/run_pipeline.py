@@ -30,21 +30,29 @@ also the selection set (optimistic figures, said in the summary).
 
     python examples/run_pipeline.py --train_file train.csv --validation_file dev.csv --test_file test.csv
 
-The task is TREC for the main run and MR for the other presets (``--task`` picks another). Each step leaves a
-``.pipeline_done`` file in its output folder; a second run with the same ``--work_dir`` and settings skips the steps
-already done (long runs resume where they stopped).
+The task is TREC for the main run and MR for the other presets (``--task`` picks another). ``--max_seq_length`` (the
+preset's by default: 64) is the same in every step; how many texts it cut is logged and reported.
+
+Each step leaves a ``.pipeline_done`` mark in its output folder once its result is written: its arguments and the
+content digests of its own inputs (data files, model folders). A second run with the same ``--work_dir`` and settings
+skips the steps done and resumes fine-tuning from its newest whole checkpoint, so a run killed at any point (``kill
+-9``) and run again writes the report of an uninterrupted run (examples/README.md, "Kills and reruns").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
+import re
+import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 if not any(arg.split("=")[0] == "--model_name_or_path" for arg in sys.argv[1:]):  # (your model may be a Hub id)
@@ -202,6 +210,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ft_steps", type=_positive_int, default=None, help="Fine-tuning steps (the preset's).")
     parser.add_argument("--mask_steps", type=_positive_int, default=None, help="Mask training steps (the preset's).")
     parser.add_argument("--mask_batch", type=_positive_int, default=None, help="Examples per mask step (the preset's).")
+    parser.add_argument(
+        "--max_seq_length",
+        type=_positive_int,
+        default=None,
+        help="Tokens per example (prompt included); longer texts are cut, and how many were cut and how many tokens "
+        "they lost is logged and reported. Default: the preset's (64; --causal 48, --paper_size 128).",
+    )
+    parser.add_argument(
+        "--save_steps",
+        type=_positive_int,
+        default=200,
+        help="A fine-tuning checkpoint every this many steps, which a rerun resumes from (runs on all of the data, "
+        "without --quick; default 200).",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)])  # fmt: skip
@@ -215,11 +237,15 @@ def main(argv: list[str] | None = None) -> dict:
     args.task, causal, own = settings["task"], settings["preset"].startswith("causal"), args.train_file is not None
     work = Path(args.work_dir) / run
     report_dir = Path(args.report_dir or f"reports/{run}")
-    if own:
-        try:
-            check_own_files(args)
-        except ValueError as error:
-            parser.error(str(error))
+    test_labelled = True
+    try:
+        if own:
+            test_labelled = check_own_files(args)
+        data_id = str(Path(args.train_file).resolve()) if own else f"packaged task {args.task}"
+        check_run_folder(work, data_id, "--work_dir")
+        check_run_folder(report_dir, data_id, "--report_dir")
+    except ValueError as error:
+        parser.error(str(error))
     if not own or args.model_name_or_path is None:
         ensure_assets(ASSETS if not own else {name: ASSETS[name] for name in MODEL_ASSETS})
     if causal:
@@ -246,7 +272,14 @@ def main(argv: list[str] | None = None) -> dict:
         model, model_name, head = args.model_name_or_path, args.model_name_or_path, ["--head", "classification"]
     else:
         model, model_name, head = minilm_dir(), "all-MiniLM-L6-v2", ["--head", "classification"]
-    num_parameters = _num_parameters(_local_model_folder(model))  # (a model that cannot be read is refused here)
+    model_folder = _local_model_folder(model)
+    num_parameters = _num_parameters(model_folder)  # (a model that cannot be read is refused here)
+    if args.finetuned_model_name_or_path is not None:  # another base model's fine-tune: refused before any work
+        check_same_architecture(model_folder, args.finetuned_model_name_or_path)
+    check_max_seq_length(model_folder, settings["max_seq_length"])
+    for folder in (work, report_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+        U.write_text_atomic(folder / RUN_ID, json.dumps({"data": data_id}))
     timings["prepare data and model"] = time.perf_counter() - start - sum(timings.values())
     logger.info(
         "Settings (%s): k=%d examples per class, max_seq_length=%d, fine-tuning %s steps at batch %d (SGD, lr %g, "
@@ -262,13 +295,21 @@ def main(argv: list[str] | None = None) -> dict:
     columns = ["--text_column", args.text_column, "--label_column", args.label_column] if own else []
     data_args = ["--dataset_name_or_path", train or data["train"], *sample,
                  "--max_seq_length", str(settings["max_seq_length"]), *columns]  # fmt: skip
+    setup = _task_setup(head, args.finetuned_model_name_or_path, settings["max_seq_length"])
+    truncation = truncation_report(data, args.finetuned_model_name_or_path or model, setup,
+                                   args.text_column if own else None, args.label_column)  # fmt: skip
+    truncation["default"] = PRESETS[settings["preset"]]["max_seq_length"]
     pin_memory = str(torch.cuda.is_available()).lower()  # pinned host memory only helps copies to a GPU
     # (progress bars follow the scripts' default: on in a terminal, off in a redirected log)
     common = ["--seed", str(args.seed), "--report_to", "none", "--dataloader_pin_memory", pin_memory]
 
-    # Your files' content keys the steps done (an edited file is run again); the packaged tasks' files are fixed.
-    inputs = tuple(data.values()) if own else ()
+    # Each step is keyed by its own inputs' content (an edited file, a model re-saved under the same path: run again):
+    # your files and your models; the packaged tasks' files and models are fixed. The grafts also by the fine-tune's.
     ft_dir = args.finetuned_model_name_or_path or str(work / "finetuned")
+    digests: dict[str, str] = {}
+    own_model = (model_folder,) if own else ()
+    ft_inputs = (data["train"], *own_model) if own else ()
+    graft_inputs = (*((data["train"], data["dev"], *own_model) if own else ()), ft_dir)
     steps = [] if settings["ft_steps"] is None else ["--max_steps", str(settings["ft_steps"])]
     if args.finetuned_model_name_or_path is None:  # (the many-shot runs checkpoint to resume; --quick has no time to)
         resumable_step(run_finetune, ft_dir, [
@@ -276,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
             "--per_device_train_batch_size", str(settings["ft_batch"]),
             "--logging_steps", str(min(50, max(1, (settings["ft_steps"] or 200) // 4))),
             "--learning_rate", str(settings["ft_lr"]), *common,
-        ], checkpoints=settings["all_data"] and settings["preset"] != "quick", inputs=inputs)  # fmt: skip
+        ], checkpoints=settings["all_data"] and settings["preset"] != "quick", inputs=ft_inputs, digests=digests,
+           save_steps=args.save_steps)  # fmt: skip
     else:
         logger.info("Fine-tuning skipped: the fine-tune is %s", ft_dir)
     timings["fine-tune"] = time.perf_counter() - start - sum(timings.values())
@@ -297,17 +339,17 @@ def main(argv: list[str] | None = None) -> dict:
             "--per_device_train_batch_size", str(per_device), "--per_device_eval_batch_size", "64",
             "--logging_steps", str(min(25, max(1, settings["mask_steps"] // 2))),
             "--output_dir", out, *common,
-        ], inputs=inputs + ((ft_dir,) if args.finetuned_model_name_or_path else ()))  # fmt: skip
+        ], inputs=graft_inputs, digests=digests)  # fmt: skip
         graft_dirs.append(out)
     timings["graft (mask training)"] = time.perf_counter() - start - sum(timings.values())
-    (work / "timings.json").write_text(json.dumps(timings))
+    U.write_text_atomic(work / "timings.json", json.dumps(timings))
 
     # No extra sweep sizes on SmolLM2 (each is two more 135M-parameter models to evaluate): its sweep is the grafts.
     sweep_fractions = settings.get("sweep_fractions", SWEEP_FRACTIONS if not causal else ())
     sweep = [str(round(f * num_parameters)) for f in sweep_fractions if f not in fractions]
-    if own:  # your files: the test file evaluated and predicted, else the validation file evaluated
-        test = ["--test_file", data["test"], "--do_predict"] if "test" in data else ["--validation_file", data["dev"]]
-        evaluated = [*test, *columns]
+    if own:  # your files: the test file evaluated (where labelled) and predicted, else the validation file evaluated
+        test = ["--test_file", data["test"], "--do_predict"] if "test" in data else []
+        evaluated = [*([] if test_labelled and test else ["--validation_file", data["dev"]]), *test, *columns]
     else:
         eval_sets = {f"{args.task.upper()} (in-dist)": data["test"]}
         if "ood" in data:
@@ -317,9 +359,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--model_name_or_path", model, "--finetuned_model_name_or_path", ft_dir, "--graft_dirs", *graft_dirs,
         *evaluated, "--temperature_dataset", data["dev"],
         *(["--sweep_num_entries", *sweep] if sweep else []), "--sweep_max_samples", str(settings["sweep_samples"]),
-        "--report_dir", str(report_dir),
+        "--max_seq_length", str(settings["max_seq_length"]), "--report_dir", str(report_dir),
         "--timings_json", str(work / "timings.json"),
     ], logger)  # fmt: skip
+    results["truncation"] = truncation
     total = time.perf_counter() - start
     results["timings"]["total"] = total
     task = f"examples of {Path(args.train_file).name}" if own else f"{args.task.upper()} examples"
@@ -339,12 +382,19 @@ def main(argv: list[str] | None = None) -> dict:
             " No test file: the validation file is evaluated, and it is also the set the masks were selected and the "
             "temperatures fitted on, so these figures are optimistic; pass --test_file for held-out ones."
         )
+    elif own and not test_labelled:
+        settings_line += (
+            " The test file has no labels: every row of it is predicted (predict_results.csv), and the figures are "
+            "the validation file's, the set the masks were selected and the temperatures fitted on, so they are "
+            "optimistic; label some test rows for held-out ones."
+        )
+    settings_line += " " + truncation_line(truncation)
     if settings["preset"] == "quick":
         settings_line += f" {QUICK_NOTE}"
     summary = f"# Skill localization by grafting: {run}\n\n{settings_line}\n\n" + run_evaluate.summary_markdown(results)
     summary += "\n![sweep](sweep_accuracy.png)\n![locations](graft_locations.png)\n"
-    (report_dir / "summary.md").write_text(summary)
-    (report_dir / "results.json").write_text(json.dumps(results, indent=2))
+    U.write_text_atomic(report_dir / "summary.md", summary)
+    U.write_text_atomic(report_dir / "results.json", json.dumps(results, indent=2))
     print(f"\n{summary}\nReport: {report_dir}/ (summary.md, results.json, *.png)")  # the one print: the final table
     return results
 
@@ -369,7 +419,7 @@ def run_settings(args: argparse.Namespace) -> tuple[str, dict]:
                 f"--train_file runs your own task with the main run's settings (or --quick's): drop {given}, which "
                 "picks a packaged task or its sizes."
             )
-        run = f"own_{Path(args.train_file).stem}" + ("_quick" if preset == "quick" else "")
+        run = own_run_name(args.train_file) + ("_quick" if preset == "quick" else "")
     elif getattr(args, "validation_file", None) or getattr(args, "test_file", None):
         raise ValueError("--validation_file and --test_file go with --train_file (your own task): add it.")
     elif getattr(args, "finetuned_model_name_or_path", None) or getattr(args, "model_name_or_path", None):
@@ -381,7 +431,8 @@ def run_settings(args: argparse.Namespace) -> tuple[str, dict]:
     settings = {**PRESETS[preset], "task": task, "preset": preset, "all_data": all_data}
     if args.k_shot is None and not all_data:  # the presets' k-shot samples, as their figures were measured
         settings["k_shot"] = min(settings["k_shot"], TASK_MAX_K_SHOT.get(task, settings["k_shot"]))
-    overrides = {key: getattr(args, key) for key in ("k_shot", "ft_steps", "mask_steps", "mask_batch", "fractions")}
+    keys = ("k_shot", "ft_steps", "mask_steps", "mask_batch", "fractions", "max_seq_length")
+    overrides = {key: getattr(args, key, None) for key in keys}
     settings.update({key: value for key, value in overrides.items() if value is not None})
     if args.k_shot is not None:
         run += f"_k{args.k_shot}"
@@ -390,51 +441,259 @@ def run_settings(args: argparse.Namespace) -> tuple[str, dict]:
     return run, settings
 
 
+MARK = ".pipeline_done"
+"""A step's done-mark in its output folder: the step's arguments and its inputs' content digests."""
+STARTED = ".pipeline_started"
+"""The step whose checkpoints a folder holds (a checkpointed step only)."""
+RUN_ID = ".pipeline_run.json"
+"""A run folder's and a report folder's data: another run's data is refused there (``check_run_folder``)."""
+CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+"""What a whole Trainer checkpoint holds beside weights and RNG state; ``trainer_state.json`` is written last."""
+
+
 def resumable_step(
-    script, output_dir: str, argv: list[str], checkpoints: bool = False, inputs: tuple[str, ...] = ()
+    script,
+    output_dir: str,
+    argv: list[str],
+    checkpoints: bool = False,
+    inputs: tuple[str, ...] = (),
+    digests: dict[str, str] | None = None,
+    save_steps: int = 200,
 ) -> None:
     """``script.main(argv)``, skipped when ``output_dir`` holds the mark of the same step done with the same
-    arguments and, for each file or folder of ``inputs`` (your data files, your fine-tune), the same content; the mark
-    is written once the step returns. With ``checkpoints``, the step saves a Trainer checkpoint every 200 steps (the
-    last one kept) and a new run resumes from the last one."""
-    mark = Path(output_dir) / ".pipeline_done"
-    done = argv if not inputs else {"argv": argv, "inputs": {path: _content_digest(path) for path in inputs}}
-    if mark.exists() and json.loads(mark.read_text()) == done:
+    arguments and, for each file or model folder of ``inputs`` (its own inputs only: your data files, the models it
+    reads), the same content. A mark that does not match is removed before the step runs, and the mark is written
+    (atomically) only once the step has returned: a kill at any point leaves no mark beside a result it does not
+    describe. With ``checkpoints``, the step saves a Trainer checkpoint every ``save_steps`` steps (the last one kept)
+    and a new run resumes from the newest whole one (``whole_checkpoints``); ``digests`` caches content digests."""
+    mark = Path(output_dir) / MARK
+    digests = {} if digests is None else digests
+    done = {"argv": argv, "inputs": {path: content_digest(path, digests) for path in inputs}}
+    if _read_json(mark) == done:
         logger.info("Skipping python examples/%s.py: done in an earlier run (%s)", script.__name__, mark)
         return
+    mark.unlink(missing_ok=True)  # (another step's or inputs' mark, or a stale one: never beside this step's result)
     run = list(argv)
-    started = Path(output_dir) / ".pipeline_started"  # the step whose checkpoints the folder holds
+    started = Path(output_dir) / STARTED
     if checkpoints:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        run += ["--save_strategy", "steps", "--save_steps", "200", "--save_total_limit", "1"]
-        if started.exists() and json.loads(started.read_text()) != done:  # another step's checkpoints: not resumed
+        run += ["--save_strategy", "steps", "--save_steps", str(save_steps), "--save_total_limit", "1"]
+        if started.exists() and _read_json(started) != done:  # another step's checkpoints: not resumed
             U.remove_checkpoints(output_dir, logger)
-        last = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-        if last is not None:
-            logger.info("Resuming python examples/%s.py from %s", script.__name__, last)
-            run += ["--resume_from_checkpoint", last]
-    if checkpoints:
+        whole = whole_checkpoints(output_dir) if Path(output_dir).is_dir() else []
+        if whole:
+            logger.info("Resuming python examples/%s.py from %s", script.__name__, whole[-1])
+            run += ["--resume_from_checkpoint", str(whole[-1])]
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        started.write_text(json.dumps(done))
+        U.write_text_atomic(started, json.dumps(done))
     U.run_step(script, run, logger)
     if checkpoints:  # (a script that removes its own checkpoints leaves nothing for this to do)
         U.remove_checkpoints(output_dir, logger)
-    mark.write_text(json.dumps(done))
+    write_mark(mark, done)
 
 
-def _content_digest(path: str) -> str:
-    """sha256 of a file, or of the files of a folder (their relative names and bytes): edited data or a fine-tune
-    trained again is not a step done."""
+def write_mark(mark: Path, done: dict) -> None:
+    """The done-mark of a step whose result is written: atomically, so that a kill leaves the whole mark or none."""
+    U.write_text_atomic(mark, json.dumps(done))
+
+
+def whole_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The whole ``checkpoint-N`` folders of ``output_dir``, oldest first. The Trainer writes a checkpoint's files one
+    after the other (weights, optimizer, scheduler, RNG state, ``trainer_state.json`` last) and removes the older one
+    after it, so a kill leaves a folder with part of them, which it refuses to resume from: such folders (this step's
+    own, in its own output folder) are removed, each logged, and the newest whole one is resumed (none: start over)."""
+    pattern = re.compile(r"checkpoint-(\d+)")
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and pattern.fullmatch(p.name)]
+    whole = []
+    for folder in sorted(found, key=lambda p: int(pattern.fullmatch(p.name).group(1))):
+        missing = checkpoint_problem(folder)
+        if missing is None:
+            whole.append(folder)
+            continue
+        logger.warning("Removing %s: not a whole checkpoint (%s), written by an interrupted run", folder, missing)
+        shutil.rmtree(folder)
+    return whole
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """What makes ``folder`` not a whole Trainer checkpoint (a missing or cut file), or None."""
+    names = {p.name for p in folder.iterdir()}
+    missing = [name for name in CHECKPOINT_FILES if name not in names]
+    if not any(name.startswith("rng_state") for name in names):
+        missing.append("rng_state.pth")
+    weights = [p for p in folder.iterdir() if p.suffix == ".safetensors"]
+    if not weights:
+        missing.append("*.safetensors")
+    if missing:
+        return f"no {', '.join(missing)}"
+    for path in folder.iterdir():
+        try:
+            if path.suffix == ".safetensors":
+                _check_safetensors_size(path)
+            elif path.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(path):
+                return f"{path.name} is cut"
+            elif path.suffix == ".json":
+                json.loads(path.read_text())
+        except Exception as error:  # safetensors', json's and OS errors: the file is cut
+            return f"{path.name} is cut ({type(error).__name__})"
+    return None
+
+
+def _check_safetensors_size(path: Path) -> None:
+    """A ValueError when ``path`` ends before the last tensor its header describes (a file cut by a kill)."""
+    with open(path, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_size))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if path.stat().st_size < 8 + header_size + end:
+        raise ValueError(f"{path} is cut")
+
+
+def content_digest(path: str, cache: dict[str, str] | None = None) -> str:
+    """sha256 of a file, or of a folder's own files (a model folder: their names and bytes; not its subfolders, nor
+    dot-files such as the pipeline's marks and save locks): edited data, or a model re-trained or re-saved with other
+    weights under the same path, is not a step done. ``cache``: digests already computed in this run."""
+    if cache is not None and path in cache:
+        return cache[path]
     root = Path(path)
-    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+    files = sorted(f for f in root.iterdir() if f.is_file() and not f.name.startswith(".")) if root.is_dir() else [root]
     digest = hashlib.sha256()
     for file in files:
-        digest.update(str(file.relative_to(root) if root.is_dir() else file.name).encode())
+        digest.update(file.name.encode())
         with open(file, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
+    if cache is not None:
+        cache[path] = digest.hexdigest()
     return digest.hexdigest()
+
+
+def _read_json(path: Path):
+    """The JSON in ``path``; None when there is none (or a part of one)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def own_run_name(train_file: str) -> str:
+    """The default run name of your files: ``own_<folder>_<file>_<digest>``, the training file's folder and name and a
+    short digest of its full path, so that two tasks whose training files share a name (``data/a/train.csv`` and
+    ``data/b/train.csv``) never share folders."""
+    path = Path(train_file).resolve()
+    tag = hashlib.sha256(str(path).encode()).hexdigest()[:6]
+    return f"own_{U.shell_safe(path.parent.name)}_{U.shell_safe(path.stem)}_{tag}"
+
+
+def check_run_folder(folder: Path, data: str, flag: str) -> None:
+    """Refuse a run or report folder written by a run on other data (its ``.pipeline_run.json``): that run's models,
+    grafts or report would be replaced."""
+    made_for = _read_json(folder / RUN_ID)
+    if made_for is not None and made_for.get("data") != data:
+        raise ValueError(
+            f"{flag}: {folder} holds a run on {made_for.get('data')}, not on {data}; this run would replace its "
+            f"results. Give another {flag} (or remove {folder} if that run is no longer wanted)."
+        )
+
+
+def check_same_architecture(base: str, finetuned: str) -> None:
+    """A ValueError when ``finetuned`` is not a fine-tune of ``base``'s architecture: another ``model_type``, another
+    size in the config (layers, widths, vocabulary), or tensors of the same name with other shapes (a graft of it
+    would be meaningless, and the steps fail or mislead only after fine-tuning and grafting)."""
+    configs = [_read_json(Path(folder, "config.json")) or {} for folder in (base, finetuned)]
+    differ = [key for key in ("model_type", *ARCHITECTURE_KEYS)
+              if key in configs[0] and key in configs[1] and configs[0][key] != configs[1][key]]  # fmt: skip
+    problem = ", ".join(f"{key} {configs[1][key]!r} against {configs[0][key]!r}" for key in differ)
+    if not problem:
+        base_shapes, ft_shapes = _tensor_shapes(base), _tensor_shapes(finetuned)
+        stripped = {name.split(".", 1)[1]: shape for name, shape in ft_shapes.items() if "." in name}
+        shared = {name: (shape, ft_shapes.get(name, stripped.get(name))) for name, shape in base_shapes.items()}
+        shared = {name: pair for name, pair in shared.items() if pair[1] is not None}
+        wrong = [f"{name} {ft} against {pre}" for name, (pre, ft) in shared.items() if pre != ft]
+        if wrong:
+            problem = f"{len(wrong)} tensor(s) of other shapes, e.g. {'; '.join(wrong[:3])}"
+        elif len(shared) < len(ft_shapes) / 2:
+            problem = f"only {len(shared)} of its {len(ft_shapes)} tensors are named as the base model's"
+    if problem:
+        raise ValueError(
+            f"--finetuned_model_name_or_path {finetuned!r} is not a fine-tune of --model_name_or_path {base!r}: "
+            f"{problem}. Give the model it was fine-tuned from as --model_name_or_path, or drop "
+            "--finetuned_model_name_or_path to fine-tune that model here."
+        )
+
+
+# The config entries that fix a model's tensors' shapes (the names vary by architecture).
+ARCHITECTURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size", "n_embd", "n_layer", "n_head", "d_model")  # fmt: skip
+
+
+def check_max_seq_length(model_folder: str, max_seq_length: int) -> None:
+    """A ValueError when the model has fewer positions than ``--max_seq_length`` (a long text would fail)."""
+    config = _read_json(Path(model_folder, "config.json")) or {}
+    positions = config.get("max_position_embeddings", config.get("n_positions"))
+    if positions is not None and max_seq_length > positions:
+        raise ValueError(
+            f"--max_seq_length {max_seq_length} is more than the {positions} positions of {model_folder!r}: give "
+            f"--max_seq_length {positions} or less."
+        )
+
+
+def _tensor_shapes(folder: str) -> dict[str, list[int]]:
+    """Every tensor's name and shape in ``folder``'s safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            shapes.update({key: list(tensors.get_slice(key).get_shape()) for key in tensors.keys()})  # noqa: SIM118
+    return shapes
+
+
+def _task_setup(head: list[str], finetuned: str | None, max_seq_length: int) -> U.TaskSetup:
+    """How the steps read the texts: your fine-tune's saved set-up, else the head flags given to fine-tuning; at
+    ``max_seq_length``."""
+    saved = U.TaskSetup.load(finetuned) if finetuned is not None else None
+    if saved is not None:
+        if saved.max_seq_length != max_seq_length:
+            logger.warning("%s was fine-tuned at max_seq_length %d; grafts and evaluation use %d (--max_seq_length)",
+                           finetuned, saved.max_seq_length, max_seq_length)  # fmt: skip
+        return dataclasses.replace(saved, max_seq_length=max_seq_length)
+    flags = dict(zip(head[::2], head[1::2], strict=True))
+    name = flags["--head"]
+    return U.TaskSetup(name, [], flags.get("--template", U.DEFAULT_TEMPLATES.get(name)),
+                       U.parse_label_words(flags.get("--label_words")), max_seq_length)  # fmt: skip
+
+
+def truncation_report(
+    data: dict[str, str], tokenizer_name: str, setup: U.TaskSetup, text_column: str | None, label_column: str
+) -> dict:
+    """How many texts of each data file ``max_seq_length`` cuts, and how many tokens they lose (the classification
+    head's texts with their special tokens; a prompt head's sentences beside the template's tokens); logged."""
+    tokenizer = U.load_tokenizer(tokenizer_name, setup.head)
+    overhead = 0
+    if setup.head != "classification":
+        overhead = len(tokenizer(setup.template.format(sentence="", mask=tokenizer.mask_token or ""))["input_ids"])
+    budget = max(1, setup.max_seq_length - overhead)
+    truncated = {}
+    for name, path in data.items():
+        texts = U.read_table(path, text_column=text_column, label_column=label_column, label_required=False)["text"]
+        ids = tokenizer(texts.tolist(), add_special_tokens=setup.head == "classification")["input_ids"]
+        lost = [len(row) - budget for row in ids if len(row) > budget]
+        truncated[name] = {"texts": len(lost), "of": len(ids), "tokens_lost": sum(lost)}
+    logger.info("max_seq_length %d cuts %s", setup.max_seq_length, _cut(truncated))
+    return {"max_seq_length": setup.max_seq_length, "truncated": truncated}
+
+
+def truncation_line(truncation: dict) -> str:
+    """The summary's sentence on ``max_seq_length`` (``truncation_report``)."""
+    length, default = truncation["max_seq_length"], truncation.get("default")
+    given = "the default" if length == default else f"--max_seq_length; the default is {default}"
+    return f"Texts are cut to max_seq_length {length} tokens ({given}): {_cut(truncation['truncated'])}."
+
+
+def _cut(truncated: dict) -> str:
+    return "; ".join(
+        f"{name} {t['texts']} of {t['of']} texts ({t['tokens_lost']} tokens lost)" for name, t in truncated.items()
+    )
 
 
 def k_shot_sample(
@@ -455,13 +714,14 @@ def k_shot_sample(
     parts = [group.sample(n=min(k, len(group)), random_state=seed) for _, group in groups]
     data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / f"{Path(pool_file).stem}_k{k}_seed{seed}.csv"
-    pd.concat(parts).sample(frac=1.0, random_state=seed).to_csv(path, index=False)
+    U.write_text_atomic(path, pd.concat(parts).sample(frac=1.0, random_state=seed).to_csv(index=False))
     return str(path), per_class
 
 
-def check_own_files(args: argparse.Namespace) -> None:
+def check_own_files(args: argparse.Namespace) -> bool:
     """Your files read as the scripts read them (every row checked, refused with its line and how to fix it), and a
-    fine-tune of your own carries its task set-up; before any model is loaded."""
+    fine-tune of your own carries its task set-up; before any model is loaded. Returns whether the test file (if
+    any) has a labelled row (without one, its rows are predicted and the validation file is evaluated)."""
     if args.validation_file is None:
         raise ValueError(
             "--train_file needs --validation_file: the masks are selected (sign test) and the temperatures fitted on "
@@ -487,6 +747,8 @@ def check_own_files(args: argparse.Namespace) -> None:
             "examples/run_finetune.py saves beside a fine-tune): fine-tune with examples/run_finetune.py on this "
             "--train_file, or drop the flag to fine-tune here."
         )
+    test = frames.get("test_file")
+    return test is None or ("label" in test and bool(test["label"].notna().any()))
 
 
 def _positive_int(text: str) -> int:

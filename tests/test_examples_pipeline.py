@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -193,10 +194,22 @@ def test_k_shot_0_trains_on_the_whole_file(tmp_path):
         U.load_splits(U.DataArguments(dataset_name_or_path=pool, k_shot=5))
 
 
+def _checkpoint(folder: Path) -> Path:
+    """A whole Trainer checkpoint's files (tiny): weights, optimizer, scheduler, RNG state, trainer_state.json."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.zeros(64)}, str(folder / "model.safetensors"))
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({"state": 1}, folder / name)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": int(folder.name.split("-")[1])}))
+    return folder
+
+
 def test_a_checkpointed_step_resumes_from_its_last_checkpoint_and_cleans_up(tmp_path):
     step, out = _Step(), tmp_path / "finetuned"
-    (out / "checkpoint-200").mkdir(parents=True)
-    (out / "checkpoint-400").mkdir()
+    _checkpoint(out / "checkpoint-200")
+    _checkpoint(out / "checkpoint-400")
     run_pipeline.resumable_step(step, str(out), ["--max_steps", "1000"], checkpoints=True)
     argv = step.calls[0]
     assert argv[:2] == ["--max_steps", "1000"] and "--save_steps" in argv
@@ -264,6 +277,11 @@ def _own_flags(own_task, work, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _run(own_task) -> str:
+    """The run name of the own-file command with --quick: the training file's folder, name and path digest."""
+    return run_pipeline.own_run_name(own_task["train"]) + "_quick"
+
+
 @pytest.fixture(scope="module")
 def own_run(own_task, tmp_path_factory):
     work = tmp_path_factory.mktemp("own_run")
@@ -282,14 +300,14 @@ def test_your_own_files_run_end_to_end_with_the_main_runs_report(own_task, own_r
     assert evaluated == "test" and results["eval_sets"]["test"]["examples"] == 12
     assert results["temperature_scaling"]["dataset"] == own_task["dev"]
     summary = (report / "summary.md").read_text()
-    assert "Run `own_train_quick`" in summary and run_pipeline.QUICK_NOTE in summary and "| fine-tuned |" in summary
+    assert f"Run `{_run(own_task)}`" in summary and run_pipeline.QUICK_NOTE in summary and "| fine-tuned |" in summary
     assert {"sweep_accuracy.png", "graft_locations.png", "predict_results.csv"} <= {p.name for p in report.iterdir()}
     predictions = pd.read_csv(report / "predict_results.csv")
     test = pd.read_csv(own_task["test"])
     assert predictions["index"].tolist() == list(range(len(test)))  # a row per test row, in file order
     assert predictions["label"].tolist() == test["stars"].tolist()
     assert set(rows) <= set(predictions.columns) and set(predictions["fine-tuned"]) <= {"neg", "pos"}
-    graft = json.loads((work / "work" / "own_train_quick" / "graft_0.01" / "graft_results.json").read_text())
+    graft = json.loads((work / "work" / _run(own_task) / "graft_0.01" / "graft_results.json").read_text())
     assert graft["evaluated_masks"] == 1 and 0 < graft["best_learned_p_value"] <= 1  # the sign test ran on dev
     assert 0 <= graft["iou_with_start"] <= 1 and graft["entries_changed_from_start"] >= 0
     assert results["grafts"][0]["iou_with_start"] == graft["iou_with_start"]  # in the report too
@@ -302,9 +320,9 @@ def test_your_own_fine_tune_skips_fine_tuning(own_task, own_run, tmp_path, monke
         raise AssertionError("fine-tuning ran")
 
     monkeypatch.setattr(run_finetune, "main", refuse)
-    finetuned = str(own_run[0] / "work" / "own_train_quick" / "finetuned")
+    finetuned = str(own_run[0] / "work" / _run(own_task) / "finetuned")
     results = run_pipeline.main(_own_flags(own_task, tmp_path, "--finetuned_model_name_or_path", finetuned))
-    assert not (tmp_path / "work" / "own_train_quick" / "finetuned").exists()
+    assert not (tmp_path / "work" / _run(own_task) / "finetuned").exists()
     assert "fine-tuning skipped" in (tmp_path / "report" / "summary.md").read_text()
     first = own_run[1]["metrics"]["test"]["fine-tuned"]
     assert results["metrics"]["test"]["fine-tuned"] == first  # the same fine-tune, evaluated alike
@@ -312,7 +330,7 @@ def test_your_own_fine_tune_skips_fine_tuning(own_task, own_run, tmp_path, monke
 
 def test_without_a_test_file_the_summary_says_the_figures_are_optimistic(own_task, own_run, tmp_path):
     flags = _own_flags(own_task, tmp_path, "--finetuned_model_name_or_path",
-                       str(own_run[0] / "work" / "own_train_quick" / "finetuned"))  # fmt: skip
+                       str(own_run[0] / "work" / _run(own_task) / "finetuned"))  # fmt: skip
     at = flags.index("--test_file")
     del flags[at : at + 2]
     results = run_pipeline.main(flags)
@@ -395,7 +413,7 @@ def test_checkpoints_of_a_step_on_other_inputs_are_not_resumed(tmp_path):
     class Interrupted(_Step):
         def main(self, argv):
             super().main(argv)
-            (out / "checkpoint-200").mkdir(parents=True, exist_ok=True)
+            _checkpoint(out / "checkpoint-200")
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -404,7 +422,7 @@ def test_checkpoints_of_a_step_on_other_inputs_are_not_resumed(tmp_path):
     run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True, inputs=(str(data),))  # same data: resumed
     assert "--resume_from_checkpoint" in step.calls[0]
     (out / ".pipeline_done").unlink()
-    (out / "checkpoint-200").mkdir()
+    _checkpoint(out / "checkpoint-200")
     data.write_text("text,label\na,1\nb,0\n")
     step = _Step()
     run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True, inputs=(str(data),))
@@ -434,3 +452,277 @@ def test_a_model_that_is_neither_a_folder_nor_a_reachable_hub_id_is_refused_befo
 def test_a_model_folder_without_safetensors_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"holds no \*\.safetensors file"):
         run_pipeline._num_parameters(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ runs that survive kills
+def test_a_rerun_resumes_only_from_a_whole_checkpoint(tmp_path, caplog):
+    """Issue 60: a kill while the Trainer writes a checkpoint leaves a folder with part of its files (or a cut one);
+    the rerun resumes from the newest whole checkpoint, and removes the cut ones of its own folder, each logged."""
+    step, out = _Step(), tmp_path / "finetuned"
+    _checkpoint(out / "checkpoint-200")
+    with open(_checkpoint(out / "checkpoint-400") / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)  # weights cut
+    (_checkpoint(out / "checkpoint-600") / "trainer_state.json").write_text('{"global_st')  # the last file cut
+    (_checkpoint(out / "checkpoint-800") / "optimizer.pt").unlink()  # killed between two files
+    run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True)
+    argv = step.calls[0]
+    assert argv[argv.index("--resume_from_checkpoint") + 1] == str(out / "checkpoint-200")
+    for n, problem in ((400, "model.safetensors is cut"), (600, "trainer_state.json is cut"), (800, "no optimizer.pt")):
+        assert f"Removing {out / f'checkpoint-{n}'}: not a whole checkpoint ({problem}" in caplog.text
+
+
+def test_a_rerun_without_a_whole_checkpoint_starts_over(tmp_path):
+    step, out = _Step(), tmp_path / "finetuned"
+    (_checkpoint(out / "checkpoint-200") / "rng_state.pth").write_bytes(b"PK\x03\x04 cut")
+    run_pipeline.resumable_step(step, str(out), ["--x"], checkpoints=True)
+    assert "--resume_from_checkpoint" not in step.calls[0] and not (out / "checkpoint-200").exists()
+
+
+def test_a_stale_mark_is_removed_before_the_step_runs(tmp_path):
+    """Issue 60: a step run again for edited data and killed after writing its result, before its mark, must not
+    leave the old mark beside the new result: once the data are reverted, the step runs again."""
+    data, out = tmp_path / "train.csv", tmp_path / "graft"
+    out.mkdir()
+
+    class Step(_Step):  # writes its result (the data it read); killed before returning when asked to
+        kill = False
+
+        def main(self, argv):
+            super().main(argv)
+            (out / "result.txt").write_text(data.read_text())
+            if self.kill:
+                raise KeyboardInterrupt
+
+    step = Step()
+    data.write_text("text,label\na,0\n")
+    run_pipeline.resumable_step(step, str(out), ["--x"], inputs=(str(data),))
+    data.write_text("text,label\na,1\n")  # edited, run again, killed after the result
+    step.kill = True
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline.resumable_step(step, str(out), ["--x"], inputs=(str(data),))
+    assert not (out / run_pipeline.MARK).exists()
+    data.write_text("text,label\na,0\n")  # reverted: the result on disk is not of these data
+    step.kill = False
+    run_pipeline.resumable_step(step, str(out), ["--x"], inputs=(str(data),))
+    assert len(step.calls) == 3 and (out / "result.txt").read_text() == data.read_text()
+    assert json.loads((out / run_pipeline.MARK).read_text())["inputs"] == {
+        str(data): run_pipeline.content_digest(str(data))
+    }
+    assert not list(out.glob(".*.partial"))  # the mark written atomically
+
+
+def test_a_model_folder_digest_ignores_marks_and_subfolders_but_not_weights(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"1")
+    before = run_pipeline.content_digest(str(model))
+    (model / run_pipeline.MARK).write_text("{}")
+    (model / "checkpoint-2").mkdir()
+    (model / "checkpoint-2" / "optimizer.pt").write_bytes(b"x")
+    assert run_pipeline.content_digest(str(model)) == before
+    (model / "model.safetensors").write_bytes(b"2")  # re-saved with other weights under the same path
+    assert run_pipeline.content_digest(str(model)) != before
+
+
+def _spy(monkeypatch, *scripts) -> list[str]:
+    """The names of ``scripts`` whose ``main`` is called, in call order (each still runs)."""
+    calls = []
+    for script in scripts:
+        main = script.main
+
+        def spied(argv, main=main, name=script.__name__):
+            calls.append(name)
+            return main(argv)
+
+        monkeypatch.setattr(script, "main", spied)
+    return calls
+
+
+def test_a_new_test_file_runs_only_the_evaluation(own_task, own_run, tmp_path, monkeypatch):
+    """Issue 60: each step is keyed by its own inputs: another test file is predicted without fine-tuning or grafting
+    again (their marks do not hold the test file)."""
+    import run_evaluate
+    import run_finetune
+    import run_graft
+
+    calls = _spy(monkeypatch, run_finetune, run_graft, run_evaluate)
+    other = tmp_path / "other_test.csv"
+    _own_rows(6, 9).to_csv(other, index=False)
+    flags = _own_flags(own_task, own_run[0])
+    flags[flags.index("--test_file") + 1] = str(other)
+    flags[flags.index("--report_dir") + 1] = str(tmp_path / "report")
+    results = run_pipeline.main(flags)
+    assert calls == ["run_evaluate"] and results["eval_sets"]["test"]["examples"] == 6
+    mark = json.loads((own_run[0] / "work" / _run(own_task) / "finetuned" / run_pipeline.MARK).read_text())
+    assert set(mark["inputs"]) == {own_task["train"], own_task["model"]}  # the training file and the model
+
+
+def test_a_model_re_saved_under_the_same_path_is_not_a_step_done(own_task, own_run, tmp_path, monkeypatch):
+    """Issue 60: the model folders' content keys the steps: a pre-trained model re-saved with other weights under the
+    same path is grafted again, not skipped as done."""
+    import run_graft
+    from transformers import BertForSequenceClassification
+
+    model = tmp_path / "bert"
+    shutil.copytree(own_task["model"], model)
+    finetuned = str(own_run[0] / "work" / _run(own_task) / "finetuned")
+    flags = _own_flags(own_task, tmp_path, "--finetuned_model_name_or_path", finetuned)
+    flags[flags.index("--model_name_or_path") + 1] = str(model)
+    first = run_pipeline.main(flags)
+    calls = _spy(monkeypatch, run_graft)
+    assert run_pipeline.main(flags)["metrics"] == first["metrics"] and calls == []  # done: skipped
+    torch.manual_seed(1)
+    config = BertForSequenceClassification.from_pretrained(model).config
+    BertForSequenceClassification(config).save_pretrained(model)  # other weights, same path
+    again = run_pipeline.main(flags)
+    assert calls == ["run_graft"]
+    assert again["metrics"]["test"]["pre-trained + FT head"] != first["metrics"]["test"]["pre-trained + FT head"]
+
+
+def test_a_fine_tune_of_another_base_model_is_refused_before_any_step(own_task, own_run, tmp_path):
+    """Issue 60: a --finetuned_model_name_or_path of another architecture would run to the end with meaningless
+    grafts: refused at once, naming both flags."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    other = tmp_path / "other_ft"
+    config = BertConfig.from_pretrained(own_task["model"])
+    config.intermediate_size = 41
+    BertForSequenceClassification(config).save_pretrained(other)
+    shutil.copy(Path(own_run[0] / "work" / _run(own_task) / "finetuned" / "graft_example.json"), other)
+    flags = _own_flags(own_task, tmp_path, "--finetuned_model_name_or_path", str(other))
+    with pytest.raises(ValueError, match=r"is not a fine-tune of --model_name_or_path .*intermediate_size 41 against"):
+        run_pipeline.main(flags)
+    assert not (tmp_path / "work" / _run(own_task) / "graft_0.01").exists()
+    config.intermediate_size = 37
+    config.num_hidden_layers = 1  # fewer layers (a config key the check reads), and tensors missing
+    BertForSequenceClassification(config).save_pretrained(other)
+    with pytest.raises(ValueError, match="num_hidden_layers 1 against 2"):
+        run_pipeline.main(flags)
+
+
+def test_check_same_architecture_compares_tensor_names_and_shapes(tmp_path):
+    """Beyond the config: a tensor of another shape under the same name, or a model with few of the base's names."""
+    from safetensors.torch import save_file
+
+    base, ft = tmp_path / "base", tmp_path / "ft"
+    base.mkdir(), ft.mkdir()
+    save_file({"layer.weight": torch.zeros(4, 4), "layer.bias": torch.zeros(4)}, str(base / "model.safetensors"))
+    save_file({"body.layer.weight": torch.zeros(4, 4), "body.layer.bias": torch.zeros(4),
+               "classifier.weight": torch.zeros(2, 4)}, str(ft / "model.safetensors"))  # fmt: skip
+    run_pipeline.check_same_architecture(str(base), str(ft))  # a body under a prefix and a new head: fine
+    save_file({"body.layer.weight": torch.zeros(4, 5)}, str(ft / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) of other shapes, e.g. layer.weight \[4, 5\] against \[4, 4\]"):
+        run_pipeline.check_same_architecture(str(base), str(ft))
+    save_file({f"other.{i}": torch.zeros(1) for i in range(5)}, str(ft / "model.safetensors"))
+    with pytest.raises(ValueError, match="only 0 of its 5 tensors are named as the base model's"):
+        run_pipeline.check_same_architecture(str(base), str(ft))
+
+
+def test_a_test_file_without_labels_is_predicted_row_by_row(own_task, own_run, tmp_path):
+    """Issue 60: labels are optional in the test file: a file without a label column gets every row predicted
+    (predict_results.csv), the validation file is evaluated, and the summary says so."""
+    unlabelled = tmp_path / "unlabelled.csv"
+    _own_rows(6, 7)[["review"]].to_csv(unlabelled, index=False)
+    finetuned = str(own_run[0] / "work" / _run(own_task) / "finetuned")
+    flags = _own_flags(own_task, tmp_path, "--finetuned_model_name_or_path", finetuned)
+    flags[flags.index("--test_file") + 1] = str(unlabelled)
+    results = run_pipeline.main(flags)
+    assert list(results["metrics"]) == ["validation"]
+    predictions = pd.read_csv(tmp_path / "report" / "predict_results.csv", keep_default_na=False, dtype=str)
+    assert predictions["index"].tolist() == [str(i) for i in range(6)] and set(predictions["label"]) == {""}
+    assert set(predictions["fine-tuned"]) <= {"neg", "pos"}
+    assert (
+        "The test file has no labels: every row of it is predicted" in (tmp_path / "report" / "summary.md").read_text()
+    )
+
+
+def test_two_tasks_whose_training_files_share_a_name_get_their_own_folders(own_task, own_run, tmp_path, capsys):
+    """Issue 60: runs for different data never share folders by accident: the default names hold the training file's
+    folder and a digest of its path, and a folder written for other data is refused, naming the flag."""
+    other = tmp_path / "task_b" / "train.csv"
+    other.parent.mkdir()
+    shutil.copy(own_task["train"], other)
+    names = {run_pipeline.own_run_name(path) for path in (own_task["train"], str(other))}
+    assert len(names) == 2 and all(name.startswith("own_") and "_train_" in name for name in names)
+    assert run_pipeline.own_run_name(str(other)).startswith("own_task_b_train_")
+    flags = _own_flags(own_task, tmp_path)
+    flags[flags.index("--train_file") + 1] = str(other)
+    flags[flags.index("--report_dir") + 1] = str(own_run[0] / "report")  # the first task's report folder
+    with pytest.raises(SystemExit):
+        run_pipeline.main(flags)
+    error = capsys.readouterr().err
+    assert f"--report_dir: {own_run[0] / 'report'} holds a run on {Path(own_task['train']).resolve()}" in error
+    assert "Give another --report_dir" in error and not (tmp_path / "work").exists()
+    assert (own_run[0] / "report" / "summary.md").is_file()
+
+
+def test_max_seq_length_is_a_flag_passed_to_every_step_and_reported(own_task, own_run, tmp_path, capsys):
+    """Issue 60: --max_seq_length (default the preset's 64), the same in every step, recorded with the fine-tune,
+    the graft and the report, with how many texts it cut and how many tokens they lost."""
+    from transformers import AutoTokenizer
+
+    with pytest.raises(SystemExit):
+        run_pipeline.main(["--help"])
+    assert "--max_seq_length" in capsys.readouterr().out
+    results, run = own_run[1], own_run[0] / "work" / _run(own_task)
+    assert results["max_seq_length"] == 64 and results["truncation"]["max_seq_length"] == 64
+    assert results["truncation"]["default"] == 64
+    for folder in ("finetuned", "graft_0.01"):
+        assert json.loads((run / folder / "graft_example.json").read_text())["max_seq_length"] == 64
+
+    flags = _own_flags(own_task, tmp_path, "--max_seq_length", "6")
+    short = run_pipeline.main(flags)
+    run = tmp_path / "work" / _run(own_task)
+    for folder in ("finetuned", "graft_0.01"):
+        assert json.loads((run / folder / "graft_example.json").read_text())["max_seq_length"] == 6
+    assert short["max_seq_length"] == 6
+    tokenizer = AutoTokenizer.from_pretrained(own_task["model"])
+    for name, path in (("train", own_task["train"]), ("dev", own_task["dev"]), ("test", own_task["test"])):
+        lengths = [len(ids) for ids in tokenizer(pd.read_csv(path)["review"].tolist())["input_ids"]]
+        expected = {
+            "texts": sum(n > 6 for n in lengths),
+            "of": len(lengths),
+            "tokens_lost": sum(max(0, n - 6) for n in lengths),
+        }
+        assert short["truncation"]["truncated"][name] == expected and expected["texts"] > 0
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    train = short["truncation"]["truncated"]["train"]
+    assert (
+        f"cut to max_seq_length 6 tokens (--max_seq_length; the default is 64): train {train['texts']} of 48" in summary
+    )
+    assert (
+        "cut to max_seq_length 64 tokens (the default): train 0 of 48 texts"
+        in (own_run[0] / "report" / "summary.md").read_text()
+    )
+    with pytest.raises(ValueError, match="--max_seq_length 65 is more than the 64 positions"):
+        run_pipeline.main(_own_flags(own_task, tmp_path / "long", "--max_seq_length", "65"))
+
+
+def test_an_interrupted_gguf_conversion_is_not_taken_for_done(tmp_path, monkeypatch):
+    """The --causal runs' dequantized model folder is renamed into place once whole: a conversion interrupted while
+    saving (here: in the tokenizer's save, after the weights) leaves no model folder, and the rerun converts again."""
+    import example_utils as U
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    config = GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8)
+    monkeypatch.setattr(U.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: GPT2LMHeadModel(config))
+
+    class Tokenizer:
+        fail = True
+
+        def save_pretrained(self, folder):
+            if Tokenizer.fail:
+                raise KeyboardInterrupt  # killed here
+            Path(folder, "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(U.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    out = tmp_path / "smollm"
+    with pytest.raises(KeyboardInterrupt):
+        U.gguf_to_safetensors(gguf, out)
+    assert not out.exists()
+    Tokenizer.fail = False
+    assert U.gguf_to_safetensors(gguf, out) == str(out)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert not list(tmp_path.glob(".*.partial"))
