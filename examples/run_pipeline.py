@@ -706,11 +706,12 @@ def k_shot_sample(
     import pandas as pd
 
     pool = U.read_frame(pool_file)  # every row and column, texts as written
-    counts = pool[label_column].value_counts().sort_index()
+    classes = pool[label_column].map(U.label_key)  # one class however its label is spelled (`1`, `1.0`, ` 1`)
+    counts = classes.value_counts().sort_index()
     per_class = {str(label): min(k, int(count)) for label, count in counts.items()}
     if all(count >= k for count in counts):
         return None, per_class
-    groups = pool.groupby(label_column, sort=True)
+    groups = pool.groupby(classes, sort=True)
     parts = [group.sample(n=min(k, len(group)), random_state=seed) for _, group in groups]
     data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / f"{Path(pool_file).stem}_k{k}_seed{seed}.csv"

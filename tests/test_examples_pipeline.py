@@ -153,6 +153,18 @@ def test_k_shot_sample_leaves_full_classes_to_the_scripts(tmp_path):
     assert path is None and per_class == {"0": 20, "1": 20}
 
 
+def test_k_shot_sample_counts_a_label_spelled_several_ways_as_one_class(tmp_path):
+    """`pos` and `pos `, `1` and `1.0` are one class each, as the scripts read them: one short class, not two."""
+    rows = [("pos", 5), ("pos ", 3), ("neg", 30)]
+    texts = [f"text {i}" for i in range(sum(n for _, n in rows))]
+    labels = [label for label, n in rows for _ in range(n)]
+    pool = tmp_path / "pool.csv"
+    pd.DataFrame({"text": texts, "label": labels}).to_csv(pool, index=False)
+    path, per_class = run_pipeline.k_shot_sample(str(pool), 20, seed=3, data_dir=tmp_path)
+    assert per_class == {"neg": 20, "pos": 8}
+    assert len(pd.read_csv(path, keep_default_na=False)) == 28  # all 8 of the short class, 20 of the other
+
+
 class _Step:
     __name__ = "run_step_stub"
 
