@@ -6,12 +6,14 @@ tests/deepspeed_script.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 from testing_utils import TORCHRUN, run_command
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[test]' installs it)")
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: only the torchrun processes use it
+    pytest.skip("DeepSpeed is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "deepspeed_script.py")
 ENTRY_POINTS = {
