@@ -21,6 +21,7 @@ from datasets import Dataset
 from peft import PeftModel, get_peft_model
 from testing_utils import VOCAB, clone_model, exit_rank, make_pair
 from transformers import RobertaForSequenceClassification, Trainer, TrainingArguments
+from transformers.integrations import deepspeed_config
 
 from peft_graft import (
     ContinualGrafter,
@@ -30,6 +31,7 @@ from peft_graft import (
     Region,
     RestrictTrainingCallback,
 )
+from peft_graft.merging import merge_grafts
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -71,6 +73,10 @@ def main() -> None:
     attempt(lines, "PeftModel.from_pretrained", lambda: PeftModel.from_pretrained(partitioned, "graft"))
     attempt(lines, "ContinualGrafter", lambda: ContinualGrafter(partitioned, heads=["classifier"]))
     lines.append(f"untouched: {not any('graft_' in name for name, _ in partitioned.named_parameters())}")
+    graft = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
+    deepspeed.zero.Init(module=graft, config_dict_or_path=deepspeed_config())  # partitions a graft made whole
+    attempt(lines, "merge_and_unload", graft.merge_and_unload)
+    attempt(lines, "merge_grafts", lambda: merge_grafts(graft, ["default"], "task_arithmetic"))
 
     # A graft created on a whole model, then trained by a DeepSpeed Trainer.
     whole = clone_model(pre)

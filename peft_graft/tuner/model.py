@@ -291,6 +291,7 @@ class GraftModel(BaseTuner):
         return super()._unload_and_optionally_merge(merge, progressbar, safe_merge, adapter_names)
 
     def _check_merge(self, adapter_names: list[str] | None, safe_merge: bool) -> None:
+        refuse_deepspeed("Merging a graft", self.model, running=False)  # FSDP is refused by each layer
         names = adapter_names if adapter_names is not None else self.active_adapters
         for layer in self._adapter_modules()[0]:
             layer.check_merge(names, safe_merge)
