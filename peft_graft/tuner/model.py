@@ -177,8 +177,8 @@ class GraftModel(BaseTuner):
     def forward(self, *args, **kwargs):
         """The model's forward; without autograd, with the grafts' entries written in place once for the whole forward
         (:func:`~peft_graft.tuner.in_place.written_in_place`) rather than around each layer's."""
-        layers = self._adapter_modules()[0]  # cached: ZeRO-3 partitions every parameter, one shows it
-        first = next(layers[0].base_layer.parameters(), None) if layers else None
+        layers = self._adapter_modules()[0]  # cached; ZeRO-3 partitions every parameter: one shows it
+        first = next(iter(layers[0].base_layer._parameters.values()), None) if layers else None
         if first is not None and is_partitioned(first):
             refuse_deepspeed("A graft model's forward", self.model, running=False)
         with model_forward(self), written_in_place(self._graft_layers_for_inference()):
