@@ -37,7 +37,7 @@ ZERO3 = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
     "train_batch_size": "auto",
-    "zero_optimization": {"stage": 3},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
 }
 COMMON = dict(use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, max_steps=1, seed=0)
