@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from testing_utils import TORCHRUN, run_command
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fsdp_graft_script.py")
@@ -38,3 +40,8 @@ def test_fsdp2_forward_is_exact_and_what_needs_the_graft_whole_is_refused(tmp_pa
         assert adapters == "adapters: ['default', 'other']"  # the refused load and merge left no adapter behind
         assert loaded_forward == "loaded before sharding, forward exact: True"
         assert not (tmp_path / "saved0").exists() and not (tmp_path / "saved1").exists()
+    # The way out: the state gathered on every process and saved from rank 0 is the graft saved before sharding.
+    before = load_file(tmp_path / "before" / "adapter_model.safetensors")
+    gathered = load_file(tmp_path / "gathered" / "adapter_model.safetensors")
+    assert before.keys() == gathered.keys() and any(name.endswith("graft_values") for name in before)
+    assert all(torch.equal(before[name], gathered[name]) for name in before)

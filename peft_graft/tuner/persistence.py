@@ -122,7 +122,9 @@ def _refuse_sharded_graft(model: PeftModel) -> None:
         "save_pretrained()",
         "save the graft before sharding the model, or shard it with the graft's own state left whole, as MaskTrainer "
         "does under FSDP2 (the graft layers' graft_values and graft_learning and the modules_to_save copies as "
-        "fully_shard's ignored_params), and save from rank 0; or pass the gathered state_dict, as the Trainer does.",
+        "fully_shard's ignored_params), and save from rank 0; or gather the state on every process "
+        "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+        "full_state_dict=True, cpu_offload=True))) and save it from rank 0: save_pretrained(path, state_dict=state).",
     )
 
 
