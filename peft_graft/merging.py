@@ -44,6 +44,7 @@ from torch import nn
 from ._checksum import state_checksum
 from .parameter_layout import build_layout
 from .regions import Region
+from .sharding import refuse_sharded
 from .tuner.layer import GraftLayer
 from .tuner.model import GraftModel, _combine, _exact_after_combining, _record_layout, check_adapter_name
 from .tuner.persistence import saved_beside
@@ -204,6 +205,12 @@ def merge_grafts(
         error the model is left as it was (grafts loaded by this call are removed again).
     """
     tuner = _graft_tuner(model)
+    refuse_sharded(
+        model.named_parameters(),
+        "merge_grafts()",
+        "merge the grafts in one process, on the whole model (PeftModel.from_pretrained(base, first graft), "
+        "merge_grafts, MergedGraft.save_pretrained), then load the merged graft before sharding the model.",
+    )
     if isinstance(grafts, str) or not isinstance(grafts, (Mapping, Sequence)):
         raise TypeError(f"grafts must map task names to adapters/folders, or list adapter names; got {grafts!r:.100}.")
     sources = dict(grafts) if isinstance(grafts, Mapping) else {name: name for name in grafts}

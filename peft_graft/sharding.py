@@ -80,3 +80,72 @@ def write_entries(param: torch.Tensor, indices: torch.Tensor, values: torch.Tens
         indices, values = indices[held] - start, values[held]
     with torch.no_grad():
         flat[indices] = values
+
+
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter DeepSpeed ZeRO-3 partitions (its data a placeholder outside
+    ``deepspeed.zero.GatheredParameters``; its real shape ``ds_shape``)."""
+    return hasattr(tensor, "ds_id")
+
+
+def sharding_engine(tensors) -> tuple[str, str] | None:
+    """``(engine, name)`` of the first of the named ``tensors`` (``(name, tensor)`` pairs) sharded by FSDP2 or
+    partitioned by DeepSpeed ZeRO-3, or ``None`` when all are whole."""
+    for name, tensor in tensors:
+        if is_sharded(tensor):
+            return "FSDP2", name
+        if is_partitioned(tensor):
+            return "DeepSpeed ZeRO-3", name
+    return None
+
+
+def refuse_sharded(tensors, action: str, way_out: str) -> None:
+    """A ``ValueError`` saying that ``action`` needs whole tensors and naming ``way_out`` when one of the named
+    ``tensors`` is sharded (FSDP2) or partitioned (ZeRO-3); nothing when all are whole."""
+    found = sharding_engine(tensors)
+    if found is not None:
+        engine, name = found
+        raise ValueError(
+            f"{action} needs the model's tensors whole, but {engine} shards them (e.g. {name!r}) and peft_graft does "
+            f"not gather them for it: {way_out} See docs/fsdp.md."
+        )
+
+
+DEEPSPEED_REFUSAL = (
+    "peft_graft does not support DeepSpeed (any ZeRO stage). ZeRO-3 partitions every parameter, the graft's own "
+    "tensors and S included, and gathers a module's parameters only around that module's own forward, while a graft "
+    "layer reads its base weight, values and S in its forward, and hardening, restriction and saving read them by "
+    "flat index (with DeepSpeed 0.19.8 graft creation on a partitioned model sees empty tensors, and a graft model's "
+    "forward fails in ZeRO-3's parameter fetch). ZeRO-1/2 step flat fp32 copies of the parameters, which a "
+    "restriction's write-backs and a hardened region would not reach. Use FSDP2 (fully_shard: Trainer fsdp=True with "
+    "fsdp_config={'version': 2}, or an accelerate config with fsdp_version: 2), which shards the frozen model, or "
+    "DDP; see docs/fsdp.md."
+)
+
+
+def deepspeed_engine(model: torch.nn.Module | None = None, running: bool = True) -> str | None:
+    """``"DeepSpeed ZeRO-3"`` when a parameter of ``model`` is partitioned; with ``running``, ``"DeepSpeed"`` when
+    accelerate runs DeepSpeed (a Trainer's ``deepspeed`` argument or an accelerate config); ``None`` otherwise."""
+    if model is not None and any(is_partitioned(param) for param in model.parameters()):
+        return "DeepSpeed ZeRO-3"
+    if not running:
+        return None
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if AcceleratorState._shared_state and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
+        return "DeepSpeed"
+    return None
+
+
+def refuse_deepspeed(action: str, model: torch.nn.Module | None = None, running: bool = True) -> None:
+    """A ``ValueError`` naming ``action`` and the way out when ``model`` is partitioned by ZeRO-3 or (with
+    ``running``) DeepSpeed runs."""
+    engine = deepspeed_engine(model, running)
+    if engine is not None:
+        raise deepspeed_refusal(action, engine)
+
+
+def deepspeed_refusal(action: str, engine: str = "DeepSpeed") -> ValueError:
+    """The error refusing ``action`` under ``engine`` (DeepSpeed), with the way out."""
+    return ValueError(f"{action} cannot run under {engine}: {DEEPSPEED_REFUSAL}")

@@ -32,7 +32,7 @@ from .._checksum import CONFIG_NAME, state_checksum, tensor_bytes
 from ..parameter_layout import FlatIndexSpace, build_layout
 from ..regions import Region
 from ..regions.region import saved_region
-from ..sharding import is_sharded, read_entries, whole, write_entries
+from ..sharding import is_sharded, read_entries, refuse_deepspeed, whole, write_entries
 from ..tuner import GraftConfig
 from ..tuner.model import check_adapter_name
 
@@ -88,6 +88,7 @@ class ContinualGrafter:
     def __init__(self, model: nn.Module, heads: Sequence[str] = ()) -> None:
         if isinstance(model, PeftModel) or any("graft_" in name for name, _ in model.named_parameters()):
             raise TypeError("ContinualGrafter trains the plain pre-trained model: pass the model a graft wraps.")
+        refuse_deepspeed("ContinualGrafter", model)
         if isinstance(heads, str):
             heads = [heads]
         self.model = model
@@ -284,6 +285,7 @@ class ContinualGrafter:
                 f"Task {self._running['task'].name!r} is still running: finish_task() or abort_task() it first."
             )
         check_adapter_name(name)  # a task's name becomes its adapter's name
+        refuse_deepspeed(f"ContinualGrafter.start_task({name!r})", self.model)
         if name in self.task_names:
             raise ValueError(f"A task named {name!r} was already learned (order {self._task(name).order}).")
         region = self._as_region(region, name)

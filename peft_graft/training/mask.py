@@ -30,6 +30,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
 from ..parameter_layout import NO_ENTRIES, num_base_parameters
+from ..sharding import deepspeed_refusal
 from ..tuner.layer import graft_state_modules
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
@@ -197,7 +198,7 @@ class MaskTrainer(LossTermsTrainer):
         if args.fsdp and (args.fsdp_plugin_args or {}).get("fsdp_version", 2) != 2:
             _refuse_engine("FSDP v1 (fsdp_config version 1)")
         if args.deepspeed:
-            _refuse_engine("DeepSpeed")
+            raise deepspeed_refusal("MaskTrainer (TrainingArguments(deepspeed=...))")
         args = copy.copy(args)  # the derived gradient_accumulation_steps is this trainer's, not the caller's
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
@@ -248,7 +249,7 @@ class MaskTrainer(LossTermsTrainer):
         per step (:meth:`_average_score_gradients`), and hardening, evaluation and saving read S as one process does.
         Other engines are refused with a clear error."""
         if self.is_deepspeed_enabled:
-            _refuse_engine("DeepSpeed")
+            raise deepspeed_refusal("MaskTrainer (an accelerate config with DeepSpeed)")
         if not self.is_fsdp_enabled:
             return False
         plugin = self.accelerator.state.fsdp_plugin

@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 
 from ..parameter_layout import PEFT_PREFIX, peft_free_name
 from ..regions import Region
-from ..sharding import is_sharded, local_flat
+from ..sharding import is_sharded, local_flat, refuse_deepspeed
 
 
 @dataclass
@@ -69,6 +69,7 @@ class TrainingRestriction:
     """
 
     def __init__(self, model: nn.Module, allowed: Region | None = None, frozen: Region | None = None) -> None:
+        refuse_deepspeed("Restricted training (TrainingRestriction, RestrictTrainingCallback)", model)
         for name, region in (("allowed", allowed), ("frozen", frozen)):
             if region is not None and not isinstance(region, Mapping):
                 raise TypeError(f"{name} must be a Region (parameter name -> flat indices), got {type(region)}.")

@@ -17,6 +17,7 @@ from torch import nn
 from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout, num_base_parameters
 from ..regions import Region
 from ..scores.movement import saved_whole_module
+from ..sharding import is_partitioned, refuse_deepspeed
 from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
@@ -87,6 +88,7 @@ class GraftModel(BaseTuner):
             )
         try:
             _check_no_graft_layer_stored_whole(model, config, adapter_name)
+            refuse_deepspeed(f"Creating or loading graft adapter {adapter_name!r}", model, running=False)
         except ValueError:
             del self.peft_config[adapter_name]
             raise
@@ -175,6 +177,10 @@ class GraftModel(BaseTuner):
     def forward(self, *args, **kwargs):
         """The model's forward; without autograd, with the grafts' entries written in place once for the whole forward
         (:func:`~peft_graft.tuner.in_place.written_in_place`) rather than around each layer's."""
+        layers = self._adapter_modules()[0]  # cached; ZeRO-3 partitions every parameter: one shows it
+        first = next(iter(layers[0].base_layer._parameters.values()), None) if layers else None
+        if first is not None and is_partitioned(first):
+            refuse_deepspeed("A graft model's forward", self.model, running=False)
         with model_forward(self), written_in_place(self._graft_layers_for_inference()):
             return self.model.forward(*args, **kwargs)
 
@@ -285,6 +291,7 @@ class GraftModel(BaseTuner):
         return super()._unload_and_optionally_merge(merge, progressbar, safe_merge, adapter_names)
 
     def _check_merge(self, adapter_names: list[str] | None, safe_merge: bool) -> None:
+        refuse_deepspeed("Merging a graft", self.model, running=False)  # FSDP is refused by each layer
         names = adapter_names if adapter_names is not None else self.active_adapters
         for layer in self._adapter_modules()[0]:
             layer.check_merge(names, safe_merge)

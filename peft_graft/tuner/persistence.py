@@ -60,10 +60,11 @@ from .._checksum import (
     record_weights_checksum,
     verify_weights_checksum,
 )
+from ..sharding import refuse_sharded
 from .card import card_location, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
-from .layer import GraftLayer
+from .layer import GraftLayer, graft_state_modules
 from .model import check_graft_state_dict, check_loaded_graft
 
 STAGING, PREVIOUS = "saving", "previous"  # the hidden folders a save keeps beside its destination
@@ -77,6 +78,8 @@ def is_graft_model(model: PeftModel) -> bool:
 def wrap_save(original):
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
+        if is_graft_model(self) and kwargs.get("state_dict") is None:
+            _refuse_sharded_graft(self)
         if not is_graft_model(self) or not kwargs.get("is_main_process", True):
             return original(self, save_directory, *args, **kwargs)
         if not kwargs.get("safe_serialization", args[0] if args else True):
@@ -109,6 +112,20 @@ def wrap_save(original):
                 shutil.rmtree(staging, ignore_errors=True)
 
     return save_pretrained
+
+
+def _refuse_sharded_graft(model: PeftModel) -> None:
+    """Saving reads the graft's own tensors whole: refused where FSDP2 shards or ZeRO-3 partitions them."""
+    own = {id(param) for module in graft_state_modules(model) for param in module.parameters()}
+    refuse_sharded(
+        ((name, param) for name, param in model.named_parameters() if id(param) in own),
+        "save_pretrained()",
+        "save the graft before sharding the model, or shard it with the graft's own state left whole, as MaskTrainer "
+        "does under FSDP2 (the graft layers' graft_values and graft_learning and the modules_to_save copies as "
+        "fully_shard's ignored_params), and save from rank 0; or gather the state on every process "
+        "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+        "full_state_dict=True, cpu_offload=True))) and save it from rank 0: save_pretrained(path, state_dict=state).",
+    )
 
 
 _saved_beside: ContextVar[dict[str, Callable[[str], None]] | None] = ContextVar("graft_saved_beside", default=None)
@@ -223,6 +240,14 @@ def _corrupt_file_error(model_id, error: SafetensorError) -> ValueError:
 def wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
+        if is_graft_model(self):
+            refuse_sharded(
+                self.named_parameters(),
+                f"load_adapter({adapter_name!r})",
+                "load every adapter before sharding the model (PeftModel.from_pretrained, then load_adapter on the "
+                "whole model), then shard it (fully_shard, or the Trainer's fsdp/deepspeed settings); adapter "
+                "tensors added to sharded layers would not take part in their gathering.",
+            )
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
         with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
             _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))

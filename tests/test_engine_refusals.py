@@ -1,0 +1,53 @@
+"""The refusals of DeepSpeed ZeRO-3 in one process, without DeepSpeed: parameters marked as ZeRO-3 marks them
+(``ds_id``) stand for a partitioned model. tests/test_deepspeed.py checks the same under real DeepSpeed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from peft import get_peft_model
+from testing_utils import clone_model, input_ids, make_pair
+
+from peft_graft import ContinualGrafter, GraftConfig, Region, restrict_training
+from peft_graft.merging import merge_grafts
+
+REFUSAL = re.escape("peft_graft does not support DeepSpeed (any ZeRO stage)")
+
+
+def partition(model: torch.nn.Module) -> torch.nn.Module:
+    for number, param in enumerate(model.parameters()):
+        param.ds_id = number  # what ZeRO-3 sets on every parameter it partitions
+    return model
+
+
+def test_a_partitioned_model_is_refused_before_anything_changes():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    model = partition(clone_model(pre))
+    names = [name for name, _ in model.named_parameters()]
+    with pytest.raises(
+        ValueError, match="Creating or loading graft adapter 'default' cannot run under DeepSpeed ZeRO-3"
+    ):
+        get_peft_model(model, GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
+    with pytest.raises(ValueError, match=f"ContinualGrafter cannot run under DeepSpeed ZeRO-3: {REFUSAL}"):
+        ContinualGrafter(model, heads=["classifier"])
+    region = Region({"classifier.weight": torch.arange(3)})
+    with pytest.raises(ValueError, match=r"Restricted training \(TrainingRestriction, RestrictTrainingCallback\)"):
+        restrict_training(model, allowed=region)
+    assert [name for name, _ in model.named_parameters()] == names  # no graft layer left behind
+
+
+def test_a_graft_partitioned_after_creation_refuses_forward_and_merging():
+    pre, finetuned, task_type = make_pair("bert_cls")
+    graft = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
+    before = {name: param.detach().clone() for name, param in graft.named_parameters()}
+    partition(graft)
+    with pytest.raises(ValueError, match=f"A graft model's forward cannot run under DeepSpeed ZeRO-3: {REFUSAL}"):
+        graft(input_ids=input_ids())
+    with pytest.raises(ValueError, match="Merging a graft cannot run under DeepSpeed ZeRO-3"):
+        graft.merge_and_unload()
+    with pytest.raises(ValueError, match="merge_grafts\\(\\) needs the model's tensors whole, but DeepSpeed ZeRO-3"):
+        merge_grafts(graft, ["default"], "task_arithmetic")
+    assert all(torch.equal(param, before[name]) for name, param in graft.named_parameters())
+    assert list(graft.peft_config) == ["default"]
