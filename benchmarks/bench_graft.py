@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterator
 
 import torch
-from bench_models import paired_ratios
-from transformers import RobertaConfig, RobertaForSequenceClassification
+from bench_models import make_pair, plain_copy, pretrained, region_graft_config
+from bench_timing import paired_ratios, peak_rss_mb, reset_peak, rss_mb, timed
 from transformers.utils import logging as hf_logging
 
 import peft_graft  # registers the graft method
@@ -51,52 +51,9 @@ HEAD_GRAFTS = 8  # the switch part's grafts with their own heads
 BATCH, SEQ_LEN = 4, 32
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as handle:
-        line = next(line for line in handle if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def pretrained(seed: int = 0) -> torch.nn.Module:
-    """A random RoBERTa-base-sized classifier, the same for the same seed."""
-    torch.manual_seed(seed)
-    return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).eval()
-
-
-def make_pair(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A random RoBERTa-base-sized classifier and a "fine-tuned" state dict: every entry moved by noise."""
-    pre = pretrained(seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    finetuned = {}
-    for name, tensor in pre.state_dict().items():
-        finetuned[name] = (
-            tensor + 1e-3 * torch.randn(tensor.shape, generator=generator) if tensor.is_floating_point() else tensor
-        )
-    return pre, finetuned
-
-
 def graft_config(finetuned, **kwargs) -> GraftConfig:
     kwargs = {"modules_to_save": ["classifier"], "task_type": "SEQ_CLS", **kwargs}
     return GraftConfig(finetuned=finetuned, num_entries=NUM_ENTRIES, **kwargs)
-
-
-def timed(function, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def part_topk(repeats: int) -> dict:
@@ -108,7 +65,7 @@ def part_topk(repeats: int) -> dict:
     num_parameters = sum(p.numel() for p in pre.parameters())
     model_mb = num_parameters * 4 / 2**20
     before = rss_mb()
-    reset_peak_rss()
+    reset_peak()
     start = time.perf_counter()
     model = get_peft_model(pre, graft_config(finetuned))
     create_s = time.perf_counter() - start
@@ -181,9 +138,8 @@ SWITCH_CASES = {
 
 def save_switch_grafts(folder: str) -> None:
     """Create the switch part's grafts and save each set under ``folder/<case>``: two grafts of 12,500 entries (top-k)
-    without heads; 8 grafts of 0.01% of every tensor (``bench_mixed_batch.graft_config``), each with its own
+    without heads; 8 grafts of 0.01% of every tensor (``bench_models.region_graft_config``), each with its own
     classification head stored whole."""
-    from bench_mixed_batch import graft_config as region_graft_config
     from peft import get_peft_model
 
     pre, finetuned = make_pair()
@@ -338,8 +294,7 @@ def part_forward(repeats: int) -> dict:
 
     pre, finetuned = make_pair()
     _, finetuned_b = make_pair(seed=7)
-    base = RobertaForSequenceClassification(pre.config).eval()
-    base.load_state_dict(pre.state_dict())
+    base = plain_copy(pre)
     model = get_peft_model(pre, graft_config(finetuned)).eval()
     model.add_adapter("b", graft_config(finetuned_b))
     ids = torch.randint(3, pre.config.vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))

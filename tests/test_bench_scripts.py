@@ -17,8 +17,11 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import bench_cost_growth as G  # noqa: E402
 import bench_fsdp_memory as F  # noqa: E402
-import bench_mask_step as B  # noqa: E402
 import bench_models as M  # noqa: E402
+import bench_timing as T  # noqa: E402
+import mask_memory as MM  # noqa: E402
+import mask_steps as S  # noqa: E402
+import mask_trainers as MT  # noqa: E402
 
 TINY = "llama-0.4m"
 SWITCHES = ("GRAFT_EMBEDDING_ROWS", "GRAFT_SPARSE_LINEAR")
@@ -58,15 +61,15 @@ def test_rebuilt_theta_pre_is_checked_against_the_cache(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path, monkeypatch):
-    for owner, name in [(B.LinearPattern, "sparse_is_cheaper"), *((B.graft_layer, s) for s in SWITCHES)]:
+    for owner, name in [(MT.LinearPattern, "sparse_is_cheaper"), *((MT.graft_layer, s) for s in SWITCHES)]:
         monkeypatch.setattr(owner, name, getattr(owner, name))  # the variants set them: restored after the test
     M.prepare_finetuned(TINY, "float32", str(tmp_path))
-    plain = B.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
-    mask = B.run_variant(TINY, "0.01:sparse", 1, "cpu", "float32", str(tmp_path))  # (its tiny layers: copy cheaper)
-    dense = B.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
+    plain = S.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
+    mask = S.run_variant(TINY, "0.01:sparse", 1, "cpu", "float32", str(tmp_path))  # (its tiny layers: copy cheaper)
+    dense = S.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
     for result in (plain, mask, dense):
         assert len(result["times_s"]) == 1 and result["peak_gb"] > 0
-    figures = {v: B.bytes_per_parameter(r["state"]) for v, r in (("plain", plain), ("0.01", mask), ("none", dense))}
+    figures = {v: MM.bytes_per_parameter(r["state"]) for v, r in (("plain", plain), ("0.01", mask), ("none", dense))}
     assert figures["plain"] == {"weight_bytes": 4.0, "gradient_share": 1.0, "optimizer_share": 0.0}
     n = plain["state"]["parameters"]
     assert mask["state"]["parameters"] == dense["state"]["parameters"] == n
@@ -75,13 +78,13 @@ def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path, monkeypatc
     assert figures["0.01"]["buffer_share"] < 0.01  # CPU: linear layers use sparse products, only norms are copied
     assert abs(figures["0.01"]["candidate_fraction"] - 0.01) < 0.002
     assert figures["none"]["dense"] and 12 <= figures["none"]["bytes_per_parameter"] < 12.01
-    lines = "\n".join(B.on_paper(figures, [0.01]))
+    lines = "\n".join(MM.on_paper(figures, [0.01]))
     assert "mask, dense S (paper)               14.00" in lines and "7B GiB" in lines and "70B GiB" in lines
 
 
 def test_pairs_alternate_which_step_comes_first():
     calls = []
-    pairs, faults = B.pair_steps(3, ["none", "0.01"], lambda key: calls.append(key) or (len(calls), 10 * len(calls)))
+    pairs, faults = S.pair_steps(3, ["none", "0.01"], lambda key: calls.append(key) or (len(calls), 10 * len(calls)))
     rounds = [["plain", "none", "plain", "0.01"], ["none", "plain", "0.01", "plain"]]  # plain first in even rounds
     assert calls == [*rounds[0], *rounds[1], *rounds[0]]
     assert pairs["none"] == [(1, 2), (6, 5), (9, 10)] and pairs["0.01"] == [(3, 4), (8, 7), (11, 12)]
@@ -89,14 +92,14 @@ def test_pairs_alternate_which_step_comes_first():
 
 
 def test_rounds_rotate_and_ratios_are_taken_per_pair():
-    orders = [M.rotated(["base", "a", "b"], shift) for shift in range(4)]
+    orders = [T.rotated(["base", "a", "b"], shift) for shift in range(4)]
     assert orders == [["base", "a", "b"], ["a", "b", "base"], ["b", "base", "a"], ["base", "a", "b"]]
     # ratios per pair, not of the medians (18 / 1 here): slow rounds move both times of a pair
     times, base = [2.0, 2.0, 18.0, 18.0, 18.0], [1.0, 1.0, 9.0, 9.0, 1.0]
-    assert M.paired_ratios("a", times, base) == {"a": 2.0, "a_quartiles": [2.0, 10.0]}
-    assert M.paired_text(times[:4], base[:4]) == "2.00x (2.00-2.00)"
+    assert T.paired_ratios("a", times, base) == {"a": 2.0, "a_quartiles": [2.0, 10.0]}
+    assert T.paired_text(times[:4], base[:4]) == "2.00x (2.00-2.00)"
     with pytest.raises(ValueError):  # unpaired lists are refused, not cut short
-        M.paired_quartiles(times, base[:3])
+        T.paired_quartiles(times, base[:3])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
@@ -105,8 +108,8 @@ def test_lockstep_steps_each_trainer_in_its_own_process(tmp_path, monkeypatch):
     args = argparse.Namespace(model=TINY, search=["none"], repeats=2, device="cpu", dtype="float32",
                               cache=str(tmp_path), threads=1, clock="wall", batch=None)  # fmt: skip
     steps = []
-    monkeypatch.setattr(B, "faulted_step", lambda *a: steps.append(a))  # this process's: never called
-    pairs, faults = B.time_lockstep(args)
+    monkeypatch.setattr(S, "faulted_step", lambda *a: steps.append(a))  # this process's: never called
+    pairs, faults = S.time_lockstep(args)
     assert not steps
     assert len(pairs["none"]) == len(faults["none"]) == 2
     assert all(seconds > 0 for pair in pairs["none"] for seconds in pair)
