@@ -102,9 +102,14 @@ def models(shapes: dict = SMOLLM2_135M) -> tuple[LlamaForCausalLM, object, objec
     return base, grafts, lora
 
 
-def time_generate(repeats: int, new_tokens: int, shapes: dict = SMOLLM2_135M, prompt_length: int = PROMPT_LENGTH):
-    """Rounds of one ``generate`` of ``1 + new_tokens`` tokens per variant (the first round warms up): per variant, the
-    prefill seconds and the median decode step of each round; and whether the two modes generated the same tokens."""
+VARIANTS = ("base", "graft", "graft_sparse_delta", "graft_single", "lora")
+
+
+def time_generate(repeats: int, new_tokens: int, shapes: dict = SMOLLM2_135M, prompt_length: int = PROMPT_LENGTH,
+                  variants: tuple[str, ...] = VARIANTS):  # fmt: skip
+    """Rounds of one ``generate`` of ``1 + new_tokens`` tokens per variant of ``variants`` (the first round warms up):
+    per variant, the prefill seconds and the median decode step of each round; and whether the two modes generated the
+    same tokens."""
     base, grafts, lora = models(shapes)
     ids = torch.randint(3, base.config.vocab_size, (PROMPTS, prompt_length), generator=torch.Generator().manual_seed(2))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -134,6 +139,7 @@ def time_generate(repeats: int, new_tokens: int, shapes: dict = SMOLLM2_135M, pr
         "graft_single": generate(grafts, 1 + new_tokens),
         "lora": generate(lora, 1 + new_tokens, adapter_names=names),
     }
+    calls = {name: call for name, call in calls.items() if name in variants}
     prefill = {name: [] for name in calls}
     decode = {name: [] for name in calls}
     for repeat in range(repeats + 1):  # the first round warms up

@@ -136,20 +136,21 @@ SWITCH_CASES = {
 """The switch part's sets of grafts, by case: their adapter names (see ``save_switch_grafts``)."""
 
 
-def save_switch_grafts(folder: str) -> None:
+def save_switch_grafts(folder: str, config=None) -> None:
     """Create the switch part's grafts and save each set under ``folder/<case>``: two grafts of 12,500 entries (top-k)
     without heads; 8 grafts of 0.01% of every tensor (``bench_models.region_graft_config``), each with its own
-    classification head stored whole."""
+    classification head stored whole. ``config``: a smaller ``RobertaConfig`` than RoBERTa-base's."""
     from peft import get_peft_model
 
-    pre, finetuned = make_pair()
-    _, finetuned_b = make_pair(seed=7)
+    pre, finetuned = make_pair(config=config)
+    _, finetuned_b = make_pair(seed=7, config=config)
     model = get_peft_model(pre, graft_config(finetuned, modules_to_save=None))
     model.add_adapter("b", graft_config(finetuned_b, modules_to_save=None))
     model.save_pretrained(os.path.join(folder, "two_grafts"))
     del model, pre, finetuned_b
     names = SWITCH_CASES[f"{HEAD_GRAFTS}_grafts_with_heads"]
-    model = get_peft_model(pretrained(), region_graft_config(finetuned, 1e-4, seed=0), adapter_name=names[0])
+    first = region_graft_config(finetuned, 1e-4, seed=0)
+    model = get_peft_model(pretrained(config=config), first, adapter_name=names[0])
     for seed, name in enumerate(names[1:], 1):
         model.add_adapter(name, region_graft_config(finetuned, 1e-4, seed=seed))
     model.save_pretrained(os.path.join(folder, f"{HEAD_GRAFTS}_grafts_with_heads"))
@@ -161,12 +162,12 @@ def adapter_folder(folder: str, case: str, name: str) -> str:
 
 
 @contextlib.contextmanager
-def switch_grafts(folder: str | None) -> Iterator[str]:
+def switch_grafts(folder: str | None, config=None) -> Iterator[str]:
     """A folder holding the switch part's saved grafts: ``folder`` (they are created there first unless every one is
     there already), or a temporary folder."""
     if folder is None:
         with tempfile.TemporaryDirectory() as temporary:
-            save_switch_grafts(temporary)
+            save_switch_grafts(temporary, config)
             yield temporary
         return
     saved = [adapter_folder(folder, case, name) for case, names in SWITCH_CASES.items() for name in names]
@@ -175,14 +176,15 @@ def switch_grafts(folder: str | None) -> Iterator[str]:
     yield folder
 
 
-def switch_cases(folder: str) -> dict:
+def switch_cases(folder: str, config=None) -> dict:
     """The saved grafts of each case loaded onto a base model of their own (``load_adapter``, as for serving):
     ``(model, adapter names)`` by case."""
     from peft import PeftModel
 
     cases = {}
     for case, names in SWITCH_CASES.items():
-        model = PeftModel.from_pretrained(pretrained(), adapter_folder(folder, case, names[0]), adapter_name=names[0])
+        first = adapter_folder(folder, case, names[0])
+        model = PeftModel.from_pretrained(pretrained(config=config), first, adapter_name=names[0])
         for name in names[1:]:
             model.load_adapter(adapter_folder(folder, case, name), adapter_name=name)
         cases[case] = (model, names)

@@ -49,7 +49,7 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_models import make_pair, plain_copy, region_graft_config
+from bench_models import TINY_ROBERTA, make_pair, plain_copy, region_graft_config
 from bench_timing import (
     fault_medians,
     load_average,
@@ -178,9 +178,9 @@ MODES = ("exact", "sparse_delta")
 whatever the library's default mode is."""
 
 
-def mixed_variants(model, lora, inputs: dict, distinct: int, modes: tuple[str, ...] = MODES) -> dict:
+def mixed_variants(model, lora, inputs: dict, distinct: int, modes: tuple[str, ...] = MODES, single: bool = True):
     """The graft model's mixed batch in each of ``modes`` (``graft`` for the exact mode, ``graft_sparse_delta``), one
-    graft for the whole batch (with 8 grafts), and LoRA's mixed batch."""
+    graft for the whole batch (with 8 grafts, unless ``single`` is false), and LoRA's mixed batch."""
     names = [f"g{i % distinct}" for i in range(len(inputs["input_ids"]))]
 
     def mixed(mode: str):
@@ -191,11 +191,25 @@ def mixed_variants(model, lora, inputs: dict, distinct: int, modes: tuple[str, .
         return run
 
     variants = {mode_variant(mode): mixed(mode) for mode in modes}
-    if distinct == GROUPS:
+    if distinct == GROUPS and single:
         variants["graft_single"] = lambda: forward(model, inputs)
     if lora is not None:
         variants["lora"] = lambda: forward(lora, inputs, adapter_names=names)
     return variants
+
+
+def default_mode() -> str:
+    """The mode a graft model's mixed batches run in when none was set: the library's default, read off a fresh graft
+    model of a tiny RoBERTa (``GraftModel.mixed_batch_mode`` where set, else ``"exact"``, the fallback of
+    ``peft_graft/tuner/mixed_batch.py``)."""
+    from peft import get_peft_model
+    from transformers import RobertaConfig
+
+    from peft_graft.tuner import mixed_batch
+
+    pre, finetuned = make_pair(config=RobertaConfig(**TINY_ROBERTA))
+    model = get_peft_model(pre, region_graft_config(finetuned, 1e-2, seed=0))
+    return getattr(model.base_model, "mixed_batch_mode", None) or getattr(mixed_batch, "DEFAULT_MODE", "exact")
 
 
 def mode_variant(mode: str) -> str:
@@ -204,16 +218,17 @@ def mode_variant(mode: str) -> str:
 
 
 def time_mixed(distinct: int, fraction: float, repeats: int, config=None, shape=(BATCH, SEQ_LEN), modes=MODES,
-               lora: bool = True, faults: dict | None = None) -> tuple[dict[str, list[float]], int]:  # fmt: skip
+               lora: bool = True, single: bool = True, faults: dict | None = None) -> tuple[dict, int]:  # fmt: skip
     """The rounds of ``distinct`` grafts of ``fraction`` of every tensor in mixed batches of ``shape`` (and LoRA with
-    as many adapters unless ``lora`` is false) against the base forward, on a fresh RoBERTa-base-sized model (or one of
+    as many adapters unless ``lora`` is false; one graft for the whole batch unless ``single`` is false) against the
+    base forward, on a fresh RoBERTa-base-sized model (or one of
     ``config``); and the entries of a graft."""
     pre, finetuned = make_pair(config=config)
     base, inputs = on_device(pre, shape)
     model = graft_model(pre, finetuned, distinct, fraction)
     del finetuned
     adapters = lora_model(base, distinct) if lora else None
-    variants = mixed_variants(model, adapters, inputs, distinct, modes)
+    variants = mixed_variants(model, adapters, inputs, distinct, modes, single)
     times = rounds(variants, lambda: forward(base, inputs), repeats, faults, timer=timer())
     return times, model.get_region("g0").num_entries
 

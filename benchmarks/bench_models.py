@@ -87,6 +87,9 @@ LLAMA_BATCH = (2, 64)
 # all-MiniLM-L6-v2's shapes (its config.json): ``minilm-random`` times its steps where the packaged asset is missing.
 MINILM = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12}
 # A 6-block BERT classifier small enough for smoke runs of every benchmark (the blocks of bench_surgical's variants).
+# The serving benchmarks' smoke-run stand-in for RoBERTa-base (``RobertaConfig(**TINY_ROBERTA)``).
+TINY_ROBERTA = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "intermediate_size": 37, "max_position_embeddings": 64, "num_labels": 2}  # fmt: skip
 TINY = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 6, "num_attention_heads": 2, "vocab_size": 99}
 
 

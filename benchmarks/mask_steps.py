@@ -163,19 +163,25 @@ def pair_steps(repeats: int, variants: list[str], timed: Callable[[str], tuple[f
 
 def lockstep_worker(args: argparse.Namespace, key: str, connection) -> None:
     """One trainer (``plain`` or a variant) in this process for ``--timing lockstep``: built and warmed up, then one
-    timed step per ``True`` received, its seconds and minor page faults sent back; ``False`` ends it."""
+    timed step per ``True`` received, its seconds and minor page faults sent back; ``False`` ends it, answered with
+    the peak memory of its steps (reset once the trainer is built, as :func:`run_variant` does) and the memory after
+    loading the model."""
     configure(args)
     meter = Meter(args.device)
-    trainer, batch, _ = build(args.model, key, args.device, args.dtype, args.cache, meter)
+    trainer, batch, loaded = build(args.model, key, args.device, args.dtype, args.cache, meter)
+    release_free_memory()
+    meter.reset()
     step(trainer, batch, meter)  # warm-up
     connection.send("ready")
     while connection.recv():
         connection.send(faulted_step(trainer, batch, meter))
+    connection.send({"peak_gb": meter.peak(), "rss_after_load_gb": loaded})
 
 
-def time_lockstep(args: argparse.Namespace) -> tuple[dict, dict]:
+def time_lockstep(args: argparse.Namespace, memory: dict | None = None) -> tuple[dict, dict]:
     """The pairs of :func:`pair_steps` with each trainer in its own process (``--timing lockstep``), stepped in turns
-    from this one: paired in time as in one process, but each trainer has the heap it would have alone."""
+    from this one: paired in time as in one process, but each trainer has the heap it would have alone. ``memory``, if
+    given, gets each trainer's peak memory through its steps and its memory after loading, by key."""
     context = multiprocessing.get_context("spawn")  # fresh interpreters: no heap or threads shared with this one
     connections, workers = {}, []
     try:
@@ -195,9 +201,12 @@ def time_lockstep(args: argparse.Namespace) -> tuple[dict, dict]:
 
         return pair_steps(args.repeats, args.search, timed)
     finally:
-        for connection in connections.values():
-            with contextlib.suppress(BrokenPipeError, OSError):  # a worker that died
+        for key, connection in connections.items():
+            with contextlib.suppress(BrokenPipeError, EOFError, OSError):  # a worker that died
                 connection.send(False)
+                answer = connection.recv()
+                if memory is not None:
+                    memory[key] = answer
         for worker in workers:
             worker.join()
 

@@ -5,7 +5,10 @@ tables and figure."""
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -149,3 +152,76 @@ def test_fsdp_memory_summary_projects_per_gpu_bytes_from_the_measured_state():
     assert "step peak 1.50 GiB (+0.50)" in fsdp and "graft state 0.20 B/param" in fsdp
     assert f"70B {70e9 * (2 / 8 + 0.2) / 2**30:.1f} GiB" in fsdp and f"8B {8e9 * (2 + 0.2) / 2**30:.1f} GiB" in ddp
     assert "on 8 GPUs" not in plain
+
+
+def local_imports(path: Path, names: set[str]) -> set[str]:
+    """The modules of ``benchmarks/`` that the file at ``path`` imports (at any depth of its code)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found & names
+
+
+def test_benchmarks_have_no_import_cycle_and_no_script_imports_another():
+    """benchmarks/ is laid out like the package: helpers (no ``__main__``) shared by scripts, no import circle, no
+    script importing a script (only ``measures.py``, the claims' measurements, reuses the scripts' functions), and no
+    file much over 400 lines."""
+    files = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph = {name: local_imports(path, set(files)) for name, path in files.items()}
+    scripts = {name for name, path in files.items() if "__main__" in path.read_text()}
+    assert {"bench_mask_step", "bench_graft", "bench_mixed_batch", "run_all"} <= scripts
+    assert not {"bench_models", "bench_timing", "measures", "claims", "render"} & scripts
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            assert state.get(other) != "open", f"import cycle: {' -> '.join([*path, other])}"
+            if other not in state:
+                visit(other, [*path, other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    for name in scripts:
+        assert not graph[name] & scripts, f"{name} imports the scripts {graph[name] & scripts}"
+    for name, path in files.items():
+        assert len(path.read_text().splitlines()) <= 420, f"{name}.py has grown past 420 lines: split it by concern"
+
+
+def run_all(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)}
+    command = [sys.executable, str(BENCHMARKS / "run_all.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_run_all_smoke_measures_the_claims_end_to_end_and_writes_their_json(tmp_path):
+    """``--smoke`` (tiny models, one round) through the mixed-batch measurement: each of its claims gets a median,
+    quartiles and a verdict, the run its host, commit, date and load; the default mode is recorded."""
+    ids = ["mixed.8.exact", "mixed.8.default_vs_lora"]
+    done = run_all("--smoke", "--only", *ids, "--out", str(tmp_path / "smoke.json"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "smoke.json").read_text())
+    assert record["size"] == "smoke" and record["threads"] == 2 and set(record["measurements"]) == {"mixed_8"}
+    assert {"cpu", "cores", "torch", "gpu"} <= set(record["host"]) and record["commit"] and record["date"]
+    assert record["measurements"]["mixed_8"]["setup"]["default_mode"] in ("exact", "sparse_delta")
+    claims = record["claims"]
+    assert {"mixed.8.exact", "mixed.8.sparse_delta", "mixed.8.sparse_delta_vs_lora", "mixed.8.default_vs_lora"} == set(
+        claims
+    )  # the claims of the measurement run
+    for result in claims.values():
+        assert result["n"] == 1 and result["verdict"] in ("holds", "does not hold here")
+        assert result["quartiles"][0] <= result["median"] <= result["quartiles"][1]
+    assert "mixed.8.default_vs_lora" in done.stdout and "claimed <= 1.02x" in done.stdout
+
+
+def test_run_all_refuses_a_smoke_result_in_results_and_unknown_claims(tmp_path):
+    done = run_all("--smoke", "--out", str(BENCHMARKS / "results" / "smoke.json"), cwd=tmp_path)
+    assert done.returncode == 2 and "measures nothing" in done.stderr
+    assert not (BENCHMARKS / "results" / "smoke.json").exists()
+    done = run_all("--smoke", "--only", "no.such.claim", cwd=tmp_path)
+    assert done.returncode == 2 and "unknown claim ids ['no.such.claim']" in done.stderr
