@@ -22,7 +22,7 @@ import time
 
 import torch
 from bench_models import MODELS, batch_for, load_pretrained
-from bench_timing import paired_text, reset_peak, rounds, rss_gb
+from bench_timing import paired_text, reset_peak, rounds, rss_gb, self_timed
 
 from peft_graft.scores import fisher_diagonal
 
@@ -62,8 +62,7 @@ def time_all(name: str, n: int, repeats: int) -> dict[str, list[float]]:
     model = load_pretrained(name)
     data = examples(model, name, n)
     variants = {variant: lambda v=variant: run(model, v, data) for variant in VARIANTS[1:]}
-    timer = lambda call: call()  # noqa: E731  (run returns its own seconds per example)
-    times = rounds(variants, lambda: run(model, "plain", data), repeats, timer=timer)
+    times = rounds(variants, lambda: run(model, "plain", data), repeats, timer=self_timed)
     return {"plain" if k == "base" else k: v for k, v in times.items()}
 
 

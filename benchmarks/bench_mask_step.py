@@ -5,6 +5,10 @@
     python benchmarks/bench_mask_step.py --model llama-1b-random --search 0.01 --repeats 3   # 1.24B causal LM, 2 x 64
     python benchmarks/bench_mask_step.py --model llama-1b-random --device cuda --dtype bfloat16 --search none 0.01
 
+This script is the driver (command line, report); the trainers are in ``mask_trainers.py``, the paper's step in
+``mask_reference.py``, building and stepping them in ``mask_steps.py``, the kept state per parameter in
+``mask_memory.py`` and the one-layer table in ``mask_layers.py``.
+
 Timing (``--timing``): ``lockstep`` (the default for the two encoder models) builds plain SGD and every mask variant
 each in its own process (one after the other) and, after a warm-up each, times ``--repeats`` pairs per variant: a plain
 step and a variant step back to back, in turn first (plain first in even pairs), each process stepping when this one

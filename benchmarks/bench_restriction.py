@@ -25,7 +25,7 @@ import sys
 
 import torch
 from bench_models import MODELS, batch_for, load_pretrained, training_step
-from bench_timing import paired_text, reset_peak, rounds, rss_gb
+from bench_timing import paired_text, reset_peak, rounds, rss_gb, self_timed
 
 from peft_graft import Region, restrict_training
 
@@ -56,8 +56,7 @@ def time_all(name: str, repeats: int, fraction: float, fused: bool) -> dict[str,
     runs = {variant: setup(name, variant, fraction, fused) for variant in VARIANTS}
     batch = batch_for(runs["plain"][0], name)
     variants = {variant: lambda v=variant: training_step(*runs[v], batch) for variant in VARIANTS[1:]}
-    timer = lambda call: call()  # noqa: E731  (step returns its own seconds)
-    times = rounds(variants, lambda: training_step(*runs["plain"], batch), repeats, timer=timer)
+    times = rounds(variants, lambda: training_step(*runs["plain"], batch), repeats, timer=self_timed)
     return {"plain" if k == "base" else k: v for k, v in times.items()}
 
 

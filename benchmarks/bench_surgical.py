@@ -17,7 +17,7 @@ import statistics
 
 import torch
 from bench_models import MODELS, load_pretrained, training_step
-from bench_timing import paired_text, rounds
+from bench_timing import paired_text, rounds, self_timed
 
 from peft_graft import restrict_training
 from peft_graft.training import freeze_outside, layer_region
@@ -52,8 +52,7 @@ def time_all(name: str, repeats: int, shape: tuple[int, int] = (8, 64)) -> tuple
     ids = torch.randint(5, model.config.vocab_size, shape, generator=generator)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, shape[:1])}
     variants = {variant: lambda v=variant: training_step(*runs[v][:3], batch) for variant in list(VARIANTS)[1:]}
-    timer = lambda call: call()  # noqa: E731  (step returns its own seconds)
-    times = rounds(variants, lambda: training_step(*runs["full"][:3], batch), repeats, timer=timer)
+    times = rounds(variants, lambda: training_step(*runs["full"][:3], batch), repeats, timer=self_timed)
     return {"full" if k == "base" else k: v for k, v in times.items()}, runs
 
 

@@ -110,6 +110,11 @@ def timed(function: Callable[[], object], repeats: int) -> list[float]:
     return [wall_time(function) for _ in range(repeats)]
 
 
+def self_timed(function: Callable[[], float]) -> float:
+    """The timer of :func:`rounds` for calls that time themselves (and return their own seconds)."""
+    return function()
+
+
 def rotated(names: list[str], shift: int) -> list[str]:
     """``names`` rotated left by ``shift``: the order of a round's calls, one further on each round, so that no variant
     always runs furthest from its baseline while the host drifts."""
