@@ -173,6 +173,17 @@ def switch(size: str) -> dict:
     return {"setup": {"calls": calls}, "figures": figures}
 
 
+def forward_graft(size: str) -> dict:
+    """Unmerged forwards of a graft of 12,500 entries, and of two grafts served in turn, each right after a base
+    forward, batch 4 x 32 (``bench_graft.py``'s forward part)."""
+    from bench_graft import forward_times
+
+    repeats = per_size(size, 40, 15, 1)
+    times = forward_times(repeats, per_size(size, None, None, tiny_roberta()))
+    figures = {v: over(times, v, f"{v}_base") for v in ("unmerged", "switching", "merged")}
+    return {"setup": {"entries": 12_500, "batch": [4, 32], "rounds": repeats}, "figures": figures}
+
+
 def packed(size: str) -> dict:
     """1,000 grafts of 0.01% without heads loaded onto one RoBERTa-base-sized base: peak RSS over their files
     (``bench_mixed_batch.py``'s memory part)."""
@@ -194,6 +205,7 @@ MEASURES: dict[str, Callable[[str], dict]] = {
     "mixed_8": mixed(8, ("exact", "sparse_delta")),
     "mixed_32": mixed(32, ("sparse_delta",)),
     "decode_8": decode,
+    "forward_graft": forward_graft,
     "switch_8": switch,
     "packed_1000": packed,
 }

@@ -64,15 +64,17 @@ def render(results: dict[str, dict]) -> str:
         BEGIN,
         "<!-- made by `python benchmarks/run_all.py --render` from benchmarks/results/*.json: do not edit -->",
         "",
-        "| claim | baseline | claimed | " + " | ".join(f"`{h}`" for h in hosts) + " |",
-        "| --- | --- | --- |" + " --- |" * len(hosts),
+        "| " + " | ".join(["claim", "baseline", "claimed", *(f"`{h}`" for h in hosts)]) + " |",
+        "|" + " --- |" * (3 + len(hosts)),
     ]
     for claim in CLAIMS:
         cells = [cell(claim, results[h]["claims"].get(claim.id)) for h in hosts]
         row = [f"`{claim.id}`: {claim.what}", claim.baseline, f"{claim.claimed_text()} ({claim.source})", *cells]
         lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    lines += [host_line(h, results[h]) for h in hosts] or ["No result files yet: run `benchmarks/run_all.py`."]
+    lines += ["", "Each column is one result file of `benchmarks/results/`, made on its host by "
+              "`python benchmarks/run_all.py --quick --out benchmarks/results/HOST.json` (without `--quick`: more "
+              "rounds); the same command re-measures every claim on yours. Hosts:", ""]  # fmt: skip
+    lines += [host_line(h, results[h]) for h in hosts] or ["- none yet."]
     lines.append(END)
     return "\n".join(lines)
 
