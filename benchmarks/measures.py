@@ -12,10 +12,10 @@ import argparse
 import tempfile
 from collections.abc import Callable
 
-from bench_models import DEFAULT_CACHE, TINY_ROBERTA, num_parameters
 from bench_timing import GIB
 
 SIZES = ("full", "quick", "smoke")
+# The models and the package are imported by each measurement, in its own process: run_all.py --render needs neither.
 
 
 def per_size(size: str, full, quick, smoke):
@@ -29,6 +29,7 @@ def over(times: dict[str, list[float]], name: str, base: str = "base") -> list[f
 
 
 def tiny_roberta():
+    from bench_models import TINY_ROBERTA
     from transformers import RobertaConfig
 
     return RobertaConfig(**TINY_ROBERTA)
@@ -41,6 +42,7 @@ def mask_step(model: str) -> Callable[[str], dict]:
     SGD's."""
 
     def measure(size: str) -> dict:
+        from bench_models import DEFAULT_CACHE
         from mask_steps import time_lockstep
 
         name = per_size(size, model, model, "tiny-random")
@@ -105,6 +107,7 @@ def surgical(size: str) -> dict:
 def creation(size: str) -> dict:
     """Creating a graft with a learnable region on a search space against the top-k graft (``bench_creation.py``)."""
     from bench_creation import measure
+    from bench_models import DEFAULT_CACHE, num_parameters
 
     name = per_size(size, "llama-22m", "llama-22m", "llama-0.4m")
     rounds = per_size(size, 5, 3, 2)

@@ -188,7 +188,10 @@ def main() -> None:
         print(json.dumps(measure_here(args.measure, args.size)))
         return
     if args.render:
-        update_page(args.page or PAGE, args.results)
+        try:
+            update_page(args.page or PAGE, args.results)
+        except ValueError as error:  # no markers, or a file that is not a result: the page is left as it was
+            parser.error(str(error))
         print(f"claims table written from {args.results}")
         return
     if args.smoke and args.out is not None and RESULTS in args.out.resolve().parents:

@@ -26,7 +26,7 @@ def test_the_page_block_is_rendered_from_the_result_files():
     assert block == R.render(R.load_results(R.RESULTS))
 
 
-def test_the_registry_names_known_measurements_and_figures_of_the_doc_lines():
+def test_the_registry_names_known_measurements_targets_and_source_files():
     C.check_registry(MS.MEASURES)
     assert len({claim.id for claim in C.CLAIMS}) == len(C.CLAIMS)
     for claim in C.CLAIMS:
@@ -110,3 +110,19 @@ def test_committed_results_hold_every_claim_of_their_run():
                 claim = copy.copy(C.by_id().get(claim_id))
                 assert claim is not None, f"{label}: claim {claim_id} is not in benchmarks/claims.py"
                 assert measured["verdict"] in ("holds", "does not hold here"), (label, claim_id)
+
+
+def test_render_command_refuses_a_page_without_markers_and_leaves_it(tmp_path):
+    import subprocess
+
+    page = tmp_path / "page.md"
+    page.write_text("# Benchmarks\n")
+    command = [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--render", "--page", str(page)]
+    done = subprocess.run([*command, "--results", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "needs one <!-- claims:begin --> line" in done.stderr
+    assert page.read_text() == "# Benchmarks\n"
+    page.write_text(f"# Benchmarks\n{R.BEGIN}\n{R.END}\n")
+    (tmp_path / "host.json").write_text(json.dumps(result(1.3)))
+    done = subprocess.run([*command, "--results", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert R.page_block(page.read_text()) == R.render(R.load_results(tmp_path))
