@@ -20,7 +20,9 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
   ``load_adapter`` onto one base: peak RSS over the loaded base against the adapters' file sizes, load time per
   graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
 
-Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round (and,
+Every mixed batch sets its mode (``set_mixed_batch_mode``) right before the call, so a figure measures the same thing
+whatever the library's default mode is; ``default_mode`` reads that default. Every ratio is the median (and
+quartiles) over rounds of the variant's time over the base's in the same round (and,
 where LoRA runs in the rounds, of each graft variant's time over LoRA's: ``..._over_lora``); each round times the base
 and every variant back to back, in an order rotated each round (``rounds``, ``paired_ratios``). The mixed and scaling
 parts also record each call's median minor page faults (``..._faults``). Results are appended
