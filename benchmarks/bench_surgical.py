@@ -16,8 +16,8 @@ import argparse
 import statistics
 
 import torch
-from bench_models import MODELS, load_pretrained, paired_text, rotated
-from bench_restriction import step
+from bench_models import MODELS, load_pretrained, training_step
+from bench_timing import paired_text, rounds, self_timed
 
 from peft_graft import restrict_training
 from peft_graft.training import freeze_outside, layer_region
@@ -42,24 +42,26 @@ def setup(name: str, blocks: list[int] | None):
     return model, optimizer, restriction, sum(p.numel() for p in trainable)
 
 
+def time_all(name: str, repeats: int, shape: tuple[int, int] = (8, 64)) -> tuple[dict[str, list[float]], dict]:
+    """Seconds of one step of each variant (``"full"`` the baseline), ``repeats`` rotated rounds after a warm-up; and
+    the runs (model, optimizer, restriction, trainable parameters) by variant."""
+    torch.manual_seed(0)
+    runs = {variant: setup(name, blocks) for variant, blocks in VARIANTS.items()}
+    model = runs["full"][0]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, model.config.vocab_size, shape, generator=generator)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, shape[:1])}
+    variants = {variant: lambda v=variant: training_step(*runs[v][:3], batch) for variant in list(VARIANTS)[1:]}
+    times = rounds(variants, lambda: training_step(*runs["full"][:3], batch), repeats, timer=self_timed)
+    return {"full" if k == "base" else k: v for k, v in times.items()}, runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="all-MiniLM-L6-v2")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    runs = {variant: setup(args.model, blocks) for variant, blocks in VARIANTS.items()}
-    model = runs["full"][0]
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, model.config.vocab_size, (8, 64), generator=generator)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (8,))}
-    times = {variant: [] for variant in runs}
-    for model, optimizer, restriction, _ in runs.values():
-        step(model, optimizer, restriction, batch)  # warm-up
-    for repeat in range(args.repeats):
-        for variant in rotated(list(runs), repeat):
-            model, optimizer, restriction, _ = runs[variant]
-            times[variant].append(step(model, optimizer, restriction, batch))
+    times, runs = time_all(args.model, args.repeats)
     print(f"{args.model}, batch 8 x 64, SGD, frozen embeddings; median of {args.repeats} steps")
     print("| variant | blocks | trainable parameters | step (median) | vs full, paired (quartiles) |")
     print("| --- | --- | --- | --- | --- |")

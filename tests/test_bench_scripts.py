@@ -5,7 +5,10 @@ tables and figure."""
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,8 +20,11 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import bench_cost_growth as G  # noqa: E402
 import bench_fsdp_memory as F  # noqa: E402
-import bench_mask_step as B  # noqa: E402
 import bench_models as M  # noqa: E402
+import bench_timing as T  # noqa: E402
+import mask_memory as MM  # noqa: E402
+import mask_steps as S  # noqa: E402
+import mask_trainers as MT  # noqa: E402
 
 TINY = "llama-0.4m"
 SWITCHES = ("GRAFT_EMBEDDING_ROWS", "GRAFT_SPARSE_LINEAR")
@@ -58,15 +64,15 @@ def test_rebuilt_theta_pre_is_checked_against_the_cache(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path, monkeypatch):
-    for owner, name in [(B.LinearPattern, "sparse_is_cheaper"), *((B.graft_layer, s) for s in SWITCHES)]:
+    for owner, name in [(MT.LinearPattern, "sparse_is_cheaper"), *((MT.graft_layer, s) for s in SWITCHES)]:
         monkeypatch.setattr(owner, name, getattr(owner, name))  # the variants set them: restored after the test
     M.prepare_finetuned(TINY, "float32", str(tmp_path))
-    plain = B.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
-    mask = B.run_variant(TINY, "0.01:sparse", 1, "cpu", "float32", str(tmp_path))  # (its tiny layers: copy cheaper)
-    dense = B.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
+    plain = S.run_variant(TINY, "plain", 1, "cpu", "float32", str(tmp_path))
+    mask = S.run_variant(TINY, "0.01:sparse", 1, "cpu", "float32", str(tmp_path))  # (its tiny layers: copy cheaper)
+    dense = S.run_variant(TINY, "none", 1, "cpu", "float32", str(tmp_path))
     for result in (plain, mask, dense):
         assert len(result["times_s"]) == 1 and result["peak_gb"] > 0
-    figures = {v: B.bytes_per_parameter(r["state"]) for v, r in (("plain", plain), ("0.01", mask), ("none", dense))}
+    figures = {v: MM.bytes_per_parameter(r["state"]) for v, r in (("plain", plain), ("0.01", mask), ("none", dense))}
     assert figures["plain"] == {"weight_bytes": 4.0, "gradient_share": 1.0, "optimizer_share": 0.0}
     n = plain["state"]["parameters"]
     assert mask["state"]["parameters"] == dense["state"]["parameters"] == n
@@ -75,13 +81,13 @@ def test_one_variant_in_process_and_its_bytes_per_parameter(tmp_path, monkeypatc
     assert figures["0.01"]["buffer_share"] < 0.01  # CPU: linear layers use sparse products, only norms are copied
     assert abs(figures["0.01"]["candidate_fraction"] - 0.01) < 0.002
     assert figures["none"]["dense"] and 12 <= figures["none"]["bytes_per_parameter"] < 12.01
-    lines = "\n".join(B.on_paper(figures, [0.01]))
+    lines = "\n".join(MM.on_paper(figures, [0.01]))
     assert "mask, dense S (paper)               14.00" in lines and "7B GiB" in lines and "70B GiB" in lines
 
 
 def test_pairs_alternate_which_step_comes_first():
     calls = []
-    pairs, faults = B.pair_steps(3, ["none", "0.01"], lambda key: calls.append(key) or (len(calls), 10 * len(calls)))
+    pairs, faults = S.pair_steps(3, ["none", "0.01"], lambda key: calls.append(key) or (len(calls), 10 * len(calls)))
     rounds = [["plain", "none", "plain", "0.01"], ["none", "plain", "0.01", "plain"]]  # plain first in even rounds
     assert calls == [*rounds[0], *rounds[1], *rounds[0]]
     assert pairs["none"] == [(1, 2), (6, 5), (9, 10)] and pairs["0.01"] == [(3, 4), (8, 7), (11, 12)]
@@ -89,14 +95,14 @@ def test_pairs_alternate_which_step_comes_first():
 
 
 def test_rounds_rotate_and_ratios_are_taken_per_pair():
-    orders = [M.rotated(["base", "a", "b"], shift) for shift in range(4)]
+    orders = [T.rotated(["base", "a", "b"], shift) for shift in range(4)]
     assert orders == [["base", "a", "b"], ["a", "b", "base"], ["b", "base", "a"], ["base", "a", "b"]]
     # ratios per pair, not of the medians (18 / 1 here): slow rounds move both times of a pair
     times, base = [2.0, 2.0, 18.0, 18.0, 18.0], [1.0, 1.0, 9.0, 9.0, 1.0]
-    assert M.paired_ratios("a", times, base) == {"a": 2.0, "a_quartiles": [2.0, 10.0]}
-    assert M.paired_text(times[:4], base[:4]) == "2.00x (2.00-2.00)"
+    assert T.paired_ratios("a", times, base) == {"a": 2.0, "a_quartiles": [2.0, 10.0]}
+    assert T.paired_text(times[:4], base[:4]) == "2.00x (2.00-2.00)"
     with pytest.raises(ValueError):  # unpaired lists are refused, not cut short
-        M.paired_quartiles(times, base[:3])
+        T.paired_quartiles(times, base[:3])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
@@ -105,8 +111,8 @@ def test_lockstep_steps_each_trainer_in_its_own_process(tmp_path, monkeypatch):
     args = argparse.Namespace(model=TINY, search=["none"], repeats=2, device="cpu", dtype="float32",
                               cache=str(tmp_path), threads=1, clock="wall", batch=None)  # fmt: skip
     steps = []
-    monkeypatch.setattr(B, "faulted_step", lambda *a: steps.append(a))  # this process's: never called
-    pairs, faults = B.time_lockstep(args)
+    monkeypatch.setattr(S, "faulted_step", lambda *a: steps.append(a))  # this process's: never called
+    pairs, faults = S.time_lockstep(args)
     assert not steps
     assert len(pairs["none"]) == len(faults["none"]) == 2
     assert all(seconds > 0 for pair in pairs["none"] for seconds in pair)
@@ -146,3 +152,76 @@ def test_fsdp_memory_summary_projects_per_gpu_bytes_from_the_measured_state():
     assert "step peak 1.50 GiB (+0.50)" in fsdp and "graft state 0.20 B/param" in fsdp
     assert f"70B {70e9 * (2 / 8 + 0.2) / 2**30:.1f} GiB" in fsdp and f"8B {8e9 * (2 + 0.2) / 2**30:.1f} GiB" in ddp
     assert "on 8 GPUs" not in plain
+
+
+def local_imports(path: Path, names: set[str]) -> set[str]:
+    """The modules of ``benchmarks/`` that the file at ``path`` imports (at any depth of its code)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found & names
+
+
+def test_benchmarks_have_no_import_cycle_and_no_script_imports_another():
+    """benchmarks/ is laid out like the package: helpers (no ``__main__``) shared by scripts, no import circle, no
+    script importing a script (only ``measures.py``, the claims' measurements, reuses the scripts' functions), and no
+    file much over 400 lines."""
+    files = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph = {name: local_imports(path, set(files)) for name, path in files.items()}
+    scripts = {name for name, path in files.items() if "__main__" in path.read_text()}
+    assert {"bench_mask_step", "bench_graft", "bench_mixed_batch", "run_all"} <= scripts
+    assert not {"bench_models", "bench_timing", "measures", "claims", "render"} & scripts
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            assert state.get(other) != "open", f"import cycle: {' -> '.join([*path, other])}"
+            if other not in state:
+                visit(other, [*path, other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    for name in scripts:
+        assert not graph[name] & scripts, f"{name} imports the scripts {graph[name] & scripts}"
+    for name, path in files.items():
+        assert len(path.read_text().splitlines()) <= 420, f"{name}.py has grown past 420 lines: split it by concern"
+
+
+def run_all(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)}
+    command = [sys.executable, str(BENCHMARKS / "run_all.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_run_all_smoke_measures_the_claims_end_to_end_and_writes_their_json(tmp_path):
+    """``--smoke`` (tiny models, one round) through the mixed-batch measurement: each of its claims gets a median,
+    quartiles and a verdict, the run its host, commit, date and load; the default mode is recorded."""
+    ids = ["mixed.8.exact", "mixed.8.default_vs_lora"]
+    done = run_all("--smoke", "--only", *ids, "--out", str(tmp_path / "smoke.json"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "smoke.json").read_text())
+    assert record["size"] == "smoke" and record["threads"] == 2 and set(record["measurements"]) == {"mixed_8"}
+    assert {"cpu", "cores", "torch", "gpu"} <= set(record["host"]) and record["commit"] and record["date"]
+    assert record["measurements"]["mixed_8"]["setup"]["default_mode"] in ("exact", "sparse_delta")
+    claims = record["claims"]
+    assert {"mixed.8.exact", "mixed.8.sparse_delta", "mixed.8.sparse_delta_vs_lora", "mixed.8.default_vs_lora"} == set(
+        claims
+    )  # the claims of the measurement run
+    for result in claims.values():
+        assert result["n"] == 1 and result["verdict"] in ("holds", "does not hold here")
+        assert result["quartiles"][0] <= result["median"] <= result["quartiles"][1]
+    assert "mixed.8.default_vs_lora" in done.stdout and "claimed <= 1.02x" in done.stdout
+
+
+def test_run_all_refuses_a_smoke_result_in_results_and_unknown_claims(tmp_path):
+    done = run_all("--smoke", "--out", str(BENCHMARKS / "results" / "smoke.json"), cwd=tmp_path)
+    assert done.returncode == 2 and "measures nothing" in done.stderr
+    assert not (BENCHMARKS / "results" / "smoke.json").exists()
+    done = run_all("--smoke", "--only", "no.such.claim", cwd=tmp_path)
+    assert done.returncode == 2 and "unknown claim ids ['no.such.claim']" in done.stderr
