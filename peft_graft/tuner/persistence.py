@@ -60,6 +60,7 @@ from .._checksum import (
     record_weights_checksum,
     verify_weights_checksum,
 )
+from .._files import check_file, open_file, read_file, read_json
 from .card import card_location, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
@@ -133,8 +134,7 @@ def _check_before_replacing(model: PeftModel, staging: str, destination: str) ->
         weights = os.path.join(root, WEIGHTS_NAME)
         if CONFIG_NAME not in names or not os.path.isfile(weights):
             continue
-        with open(os.path.join(root, CONFIG_NAME), encoding="utf-8") as file:
-            raw = json.load(file)
+        raw = read_json(os.path.join(root, CONFIG_NAME), "adapter config")
         if not str(raw.get("peft_type", "")).lower().endswith(GRAFT_NAME):  # another method's adapter
             continue
         rel = os.path.relpath(root, staging)
@@ -194,8 +194,11 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
 
 
 def refuse_unresolvable_links(model_id, subfolder: str | None = None) -> None:
-    """A local adapter path (the folder, its config or weights) that exists as a symbolic link but cannot be resolved
-    (a loop, a missing target) is a ``ValueError`` naming it: the loaders would take the folder for a Hub id."""
+    """Check the local adapter paths before any loader reads them: a path (the folder, its config or weights) that
+    exists as a symbolic link but cannot be resolved (a loop, a missing target) is a ``ValueError`` naming it (the
+    loaders would take the folder for a Hub id), and so is a config or weights file that is not a regular file once
+    links are resolved (a folder, a device such as ``/dev/zero``, a FIFO: :func:`~peft_graft._files.check_file`),
+    which a loader would read without end, wait on forever, or report without its path."""
     if not isinstance(model_id, (str, os.PathLike)):
         return
     folder = os.path.join(os.fspath(model_id), subfolder or "")
@@ -206,6 +209,10 @@ def refuse_unresolvable_links(model_id, subfolder: str | None = None) -> None:
                 "adapter cannot be read from there (nor is it a Hub id): fix or replace the link, or give the folder "
                 "that holds the adapter."
             )
+    if os.path.isdir(folder):
+        check_file(os.path.join(folder, CONFIG_NAME), "adapter config", missing_ok=True)
+        for name in (WEIGHTS_NAME, "adapter_model.bin"):
+            check_file(os.path.join(folder, name), "adapter weights file", missing_ok=True)
 
 
 def is_graft_config(config) -> bool:
@@ -272,7 +279,7 @@ def wrap_transformers_load(original):
             """transformers casts what it copies: check the tensors as stored (dtypes included) where at hand."""
             state_dict = adapter_state_dict
             if state_dict is None and peft_model_id is not None and os.path.isfile(weights):
-                state_dict = safetensors.torch.load_file(weights)
+                state_dict = safetensors.torch.load(read_file(weights, "adapter weights file"))
             if state_dict is None:
                 check_loaded_graft(self, name)
             else:
@@ -349,8 +356,7 @@ GRAFT_ONLY_FIELDS = (
 def _refuse_graft_tensors_of_another_method(folder: str) -> None:
     """A graft folder whose ``peft_type`` was changed to another method's would load as that method's adapter."""
     try:
-        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-            config = json.load(handle)
+        config = read_json(os.path.join(folder, CONFIG_NAME), "adapter config")
     except (OSError, ValueError):
         return
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
@@ -359,7 +365,7 @@ def _refuse_graft_tensors_of_another_method(folder: str) -> None:
     if peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type.lower() == GRAFT_NAME:
         return  # a graft, or a peft_type the config reader refuses
     weights, holds_graft = os.path.join(folder, WEIGHTS_NAME), False
-    if os.path.isfile(weights):
+    if check_file(weights, "adapter weights file", missing_ok=True):
         try:
             with safetensors.safe_open(weights, "pt") as handle:
                 holds_graft = any(f".{GRAFT_PREFIX}indices" in key for key in handle.keys())  # noqa: SIM118
@@ -376,8 +382,7 @@ def _refuse_graft_tensors_of_another_method(folder: str) -> None:
 def _refuse_pickled_graft(folder: str) -> None:
     """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
     try:
-        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-            config = json.load(handle)
+        config = read_json(os.path.join(folder, CONFIG_NAME), "adapter config")
     except (OSError, ValueError):
         return  # not a readable adapter folder: peft reports it
     peft_type = str(config.get("peft_type", "")) if isinstance(config, dict) else ""
@@ -415,19 +420,19 @@ def wrap_safe_load_file(original):
     read whole and parsed by ``safetensors.torch.load``, which gives the same tensors, because ``load_file`` (through
     ``safe_open``, safetensors 0.8) keeps about two small Python objects per tensor for good: about 11 KB per load of
     a graft of 0.01% of RoBERTa-base, so that a thousand loads (issue 28) would leak 11 MB. Other files and devices go
-    to ``load_file``."""
+    to ``load_file``. Whatever the size, the file is opened by :func:`~peft_graft._files.open_file` first: a path
+    that is not a regular file (a folder, ``/dev/zero``, a FIFO) is a ``ValueError`` naming it, never read without
+    end or waited on."""
 
     @functools.wraps(original)
     def safe_load_file(filename, device="cpu", *args, **kwargs):
-        if (
-            not args
-            and not kwargs
-            and str(device) == "cpu"
-            and isinstance(filename, (str, os.PathLike))
-            and os.path.getsize(filename) <= SMALL_WEIGHTS_FILE
-        ):
-            with open(filename, "rb") as handle:
-                return safetensors.torch.load(handle.read())
+        if not isinstance(filename, (str, os.PathLike)):
+            return original(filename, device, *args, **kwargs)
+        with open_file(filename, "adapter weights file") as (handle, size):  # a regular file, or a ValueError
+            if not args and not kwargs and str(device) == "cpu" and size <= SMALL_WEIGHTS_FILE:
+                data = handle.read(size + 1)
+                if len(data) == size:
+                    return safetensors.torch.load(data)
         return original(filename, device, *args, **kwargs)
 
     return safe_load_file
@@ -453,6 +458,7 @@ def wrap_config_reader(original):
 
     @functools.wraps(original)
     def from_json_file(cls, path_json_file, **kwargs):
+        check_file(path_json_file, "adapter config")  # a folder, device or FIFO: refused, not read or waited on
         try:
             loaded = original(cls, path_json_file, **kwargs)
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
