@@ -61,6 +61,7 @@ from .._checksum import (
     verify_weights_checksum,
 )
 from .._files import check_file, open_file, read_file, read_json
+from ..parameter_layout import PEFT_PREFIX
 from .card import card_location, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
@@ -151,6 +152,38 @@ def _check_before_replacing(model: PeftModel, staging: str, destination: str) ->
                 f"loader refuses ({error}). Nothing was written; the folder holds what it held before. Fix: "
                 f"{_save_fix(raw, state_dict)}."
             ) from error
+        previous = os.path.join(os.path.abspath(destination), rel, WEIGHTS_NAME)
+        _refuse_heads_losing_precision(state_dict, previous, adapter_name, destination)
+
+
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _refuse_heads_losing_precision(
+    state_dict: dict[str, torch.Tensor], previous: str, adapter_name: str, destination: str
+) -> None:
+    """A save must not replace a head stored whole (``modules_to_save``) that the folder holds in a higher precision
+    with a lower one (after ``model.to(torch.bfloat16)`` the fp32 head would be gone): a ``ValueError`` naming the
+    head and how to save it elsewhere. Graft values are fp32 whatever the cast (``GraftLayer._apply``)."""
+    if not os.path.isfile(previous):
+        return
+    try:
+        with safetensors.safe_open(check_file(previous, "adapter weights file"), "pt") as handle:
+            saved = {key: handle.get_slice(key).get_dtype() for key in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError):
+        return  # the folder holds no readable graft: nothing to lose
+    for key, tensor in sorted(state_dict.items()):
+        before = SAFETENSORS_FLOATS.get(saved.get(key, ""))
+        if f".{GRAFT_PREFIX}" in key or before is None or not tensor.is_floating_point():
+            continue
+        if torch.finfo(tensor.dtype).eps > torch.finfo(before).eps:
+            raise ValueError(
+                f"save_pretrained({destination!r}) refused: adapter {adapter_name!r} would replace its head tensor "
+                f"{key.removeprefix(PEFT_PREFIX)!r} (stored whole, modules_to_save), saved there as {before}, with "
+                f"{tensor.dtype} (the model was cast, e.g. model.to({tensor.dtype})): the {before} values would be "
+                "lost. Nothing was written; the folder holds what it held before. Save the cast model into another "
+                "folder, or delete this folder first to replace it knowingly."
+            )
 
 
 def _save_fix(raw_config: dict, state_dict: dict[str, torch.Tensor]) -> str:
@@ -232,6 +265,7 @@ def wrap_load(original):
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
         with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
+            _refuse_taken_name(self, model_id, adapter_name)
             _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
             out = _load_checked(self, model_id, adapter_name, *args, **kwargs)
             config = self.peft_config.get(adapter_name)
@@ -258,6 +292,28 @@ def wrap_load(original):
             raise
 
     return load_adapter
+
+
+def _refuse_taken_name(model: PeftModel, model_id, adapter_name: str) -> None:
+    """Loading under the name of a graft the model already holds would mix two grafts' tensors (peft reuses the
+    existing adapter's config): a ``ValueError`` naming the adapter. Allowed: filling an adapter created empty from a
+    saved graft's config (``PeftModel.from_pretrained`` does so), whose entries are still to be loaded."""
+    if not is_graft_config(model.peft_config.get(adapter_name)) or _awaiting_entries(model, adapter_name):
+        return
+    raise ValueError(
+        f"load_adapter({os.fspath(model_id)!r}, adapter_name={adapter_name!r}): this model already has an adapter "
+        f"named {adapter_name!r} (adapters: {sorted(model.peft_config)}). Pick another adapter_name, or delete that "
+        f"adapter first (model.delete_adapter({adapter_name!r}); the only adapter cannot be deleted: load the new one "
+        "under another name, then delete the old one). Nothing was loaded."
+    )
+
+
+def _awaiting_entries(model: PeftModel, adapter_name: str) -> bool:
+    """Whether graft ``adapter_name`` was created empty (from a saved graft's config) and no entries were loaded."""
+    layers = [m for m in model.modules() if isinstance(m, GraftLayer) and adapter_name in m.graft_indices]
+    return bool(layers) and all(
+        adapter_name in layer.awaiting_entries and int(layer.graft_indices[adapter_name].min()) < 0 for layer in layers
+    )
 
 
 def wrap_transformers_load(original):
