@@ -92,3 +92,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     """The JSON value of the regular file ``path`` (UTF-8). Malformed JSON raises ``json.JSONDecodeError`` and bytes
     that are not UTF-8 ``UnicodeDecodeError``, both ``ValueError``\\ s, as ``json.load`` does."""
     return json.loads(read_file(path, what).decode("utf-8"))
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a recorded model name (``base_model_name_or_path``...) is a local path rather than a Hub id: absolute,
+    starting with ``.``, or an existing folder."""
+    return bool(name) and (os.path.isabs(name) or name.startswith(".") or os.path.isdir(name))

@@ -47,6 +47,7 @@ import safetensors.torch
 import torch
 from filelock import FileLock
 from huggingface_hub import HfApi
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from peft import PeftConfig, PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
@@ -60,7 +61,7 @@ from .._checksum import (
     record_weights_checksum,
     verify_weights_checksum,
 )
-from .._files import check_file, open_file, read_file, read_json
+from .._files import check_file, is_local_path, open_file, read_file, read_json
 from ..parameter_layout import PEFT_PREFIX
 from .card import card_location, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
@@ -102,6 +103,8 @@ def wrap_save(original):
                     write(os.path.join(staging, rel))
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
+                        destination = os.path.join(save_directory, os.path.relpath(root, staging))
+                        record_paths_relative(os.path.join(root, CONFIG_NAME), destination)
                         record_weights_checksum(root)
                 selected = kwargs.get("selected_adapters", args[1] if len(args) > 1 else None)
                 write_graft_card(self, staging, given_directory, selected)
@@ -202,6 +205,47 @@ def _save_fix(raw_config: dict, state_dict: dict[str, torch.Tensor]) -> str:
             "them): cast them back with model.float() before saving"
         )
     return "the graft in memory is corrupt: rebuild or reload it before saving"
+
+
+PATH_FIELDS = ("base_model_name_or_path", "finetuned_model_name_or_path")
+"""The fields of a graft's config that may name a local folder: saved relative to the adapter's folder."""
+
+
+def relative_reference(name: object, folder: str) -> object:
+    """``name`` (a recorded base or fine-tuned model) as a saved config records it: a local path relative to
+    ``folder`` (the adapter's folder; ``./x`` or ``../x``), so that no machine's path is saved and the graft and its
+    base can move together; a Hub id (or nothing) as it is."""
+    if not isinstance(name, str) or not is_local_path(name):
+        return name
+    relative = os.path.relpath(os.path.abspath(name), os.path.abspath(folder))
+    return relative if relative.split(os.sep)[0] == os.pardir else os.path.join(os.curdir, relative)
+
+
+def resolved_reference(name: object, folder: str) -> object:
+    """``name`` as a config read from ``folder`` records it: one saved relative to the folder
+    (:func:`relative_reference`) as the path it names there, when that folder exists; anything else as it is."""
+    if isinstance(name, str) and _is_relative(name):
+        resolved = os.path.normpath(os.path.join(os.path.abspath(folder), name))
+        if os.path.isdir(resolved):
+            return resolved
+    return name
+
+
+def _is_relative(name: str) -> bool:
+    """Whether ``name`` is in the form :func:`relative_reference` saves (``./x``, ``../x``)."""
+    return name.replace("\\", "/").split("/")[0] in (os.curdir, os.pardir)
+
+
+def record_paths_relative(config_path: str, folder: str) -> None:
+    """Rewrite a staged graft config so that its local paths (:data:`PATH_FIELDS`) are relative to ``folder``, the
+    adapter's destination (see :func:`relative_reference`)."""
+    config = read_json(config_path, "adapter config")
+    if not isinstance(config, dict) or str(config.get("peft_type", "")).lower() != GRAFT_NAME:
+        return
+    relative = {field: relative_reference(config.get(field), folder) for field in PATH_FIELDS if config.get(field)}
+    if any(config[field] != value for field, value in relative.items()):
+        with open(config_path, "w", encoding="utf-8") as handle:
+            json.dump({**config, **relative}, handle, indent=2, sort_keys=True)
 
 
 def folder_lock(destination: str) -> FileLock:
@@ -538,6 +582,10 @@ def wrap_config_reader(original):
             )
         if isinstance(peft_type, str) and peft_type.lower() == GRAFT_NAME:
             check_format_version(path_json_file, loaded.get(VERSION_FIELD))
+            folder = os.path.dirname(os.fspath(path_json_file))
+            for field in PATH_FIELDS:  # saved relative to the adapter's folder
+                if field in loaded:
+                    loaded[field] = resolved_reference(loaded[field], folder)
         graft_fields = [name for name in GRAFT_ONLY_FIELDS if loaded.get(name)]
         if peft_type is not None and graft_fields and peft_type.lower() != GRAFT_NAME:
             raise ValueError(
@@ -587,9 +635,39 @@ def wrap_auto_load(original):
                 f"PeftModel.from_pretrained(base, {where!r}); or record the base's Hub id or folder in that field "
                 "(set model.peft_config[adapter_name].base_model_name_or_path before saving)."
             )
+        if is_graft_config(config):
+            base, subfolder = config.base_model_name_or_path, kwargs.get("subfolder")
+            _check_base_reachable(base, pretrained_model_name_or_path, subfolder, cls.__name__)
         return original(cls, pretrained_model_name_or_path, *args, **kwargs)
 
     return from_pretrained
+
+
+def _check_base_reachable(base: str, graft, subfolder: str | None, loader: str) -> None:
+    """A recorded base that names a local folder which is not there (nor could be a Hub id) is a ``ValueError`` naming
+    it and how to load the graft onto its base, instead of the Hub's "Repo id must be in the form ..."."""
+    if os.path.isdir(base) or (not is_local_path(base) and _could_be_hub_id(base)):
+        return
+    where = os.fspath(graft)
+    relative = ""
+    if _is_relative(base) and os.path.isdir(os.path.join(where, subfolder or "")):
+        looked = os.path.normpath(os.path.join(os.path.abspath(where), subfolder or "", base))
+        relative = f", relative to the graft's folder: {looked!r}"
+    raise ValueError(
+        f"The graft {where!r} records its base model as the local folder {base!r} (base_model_name_or_path in its "
+        f"{CONFIG_NAME}{relative}), which does not exist here, so {loader} cannot load it. Load the base model "
+        f"yourself and the graft onto it: PeftModel.from_pretrained(base, {where!r}); or put the base model's folder "
+        "there, or record its Hub id in that field (set model.peft_config[adapter_name].base_model_name_or_path "
+        "before saving)."
+    )
+
+
+def _could_be_hub_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def wrap_push(original):
