@@ -214,3 +214,20 @@ def test_auto_loading_a_graft_whose_base_folder_is_gone_names_it(pre, tmp_path, 
         AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "g")
     assert torch.equal(PeftModel.from_pretrained(clone_model(pre), tmp_path / "g")(input_ids()).logits,
                        model(input_ids()).logits)  # fmt: skip
+
+
+def test_a_pushed_graft_of_a_local_base_records_no_machine_path(pre, tmp_path, monkeypatch):
+    """A push saves into a temporary folder: a path relative to it would mean nothing, so a local base is not recorded
+    in the uploaded config (its card names the folder), and loading it says so."""
+    pre.save_pretrained(tmp_path / "my_base")
+    model = graft_of(type(pre).from_pretrained(tmp_path / "my_base"))
+    uploaded = tmp_path / "hub"
+    monkeypatch.setattr(HfApi, "create_repo", _created)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, folder_path, **kw: shutil.copytree(folder_path, uploaded))
+    model.push_to_hub("my-graft")
+    saved = json.loads((uploaded / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] is None
+    for name in ("adapter_config.json", "README.md"):
+        assert str(tmp_path) not in (uploaded / name).read_text() and "/tmp/" not in (uploaded / name).read_text()
+    assert "a local folder, `my_base`" in card(uploaded)[1]
+    assert model.peft_config["default"].base_model_name_or_path == str(tmp_path / "my_base")  # in memory: as it was

@@ -56,6 +56,11 @@ def card_location(location: str):
         _location.reset(token)
 
 
+def pushing() -> bool:
+    """Whether a push to the Hub is saving (inside :func:`card_location`)."""
+    return _location.get() is not None
+
+
 def write_graft_card(model, folder: str, destination: str | None = None, adapters: list[str] | None = None) -> None:
     """Write the graft's card into ``folder/README.md`` (peft's card there, if any, gives its metadata).
 

@@ -296,7 +296,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         ``ValueError`` naming the adapter, the tensor (``where``: the layer's module name) and the value."""
         for attr in self.stored_attrs:
             tensor = getattr(self.base_layer, attr)
-            if not _casts_dtype(fn, [tensor]):
+            if tensor.device.type == "meta" or not _casts_dtype(fn, [tensor]):  # meta: no values to cast
                 continue
             for adapter_name in self._all_available_adapter_names():
                 indices = self.graft_indices[adapter_name] if adapter_name in self.graft_indices else None  # noqa: SIM401 (BufferDict has no get)

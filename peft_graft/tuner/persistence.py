@@ -63,7 +63,7 @@ from .._checksum import (
 )
 from .._files import check_file, is_local_path, open_file, read_file, read_json
 from ..parameter_layout import PEFT_PREFIX
-from .card import card_location, write_graft_card
+from .card import card_location, pushing, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
 from .layer import GraftLayer
@@ -104,7 +104,8 @@ def wrap_save(original):
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
                         destination = os.path.join(save_directory, os.path.relpath(root, staging))
-                        record_paths_relative(os.path.join(root, CONFIG_NAME), destination)
+                        # a push's folder is a temporary one: a local path relative to it would mean nothing
+                        record_paths_relative(os.path.join(root, CONFIG_NAME), None if pushing() else destination)
                         record_weights_checksum(root)
                 selected = kwargs.get("selected_adapters", args[1] if len(args) > 1 else None)
                 write_graft_card(self, staging, given_directory, selected)
@@ -211,12 +212,14 @@ PATH_FIELDS = ("base_model_name_or_path", "finetuned_model_name_or_path")
 """The fields of a graft's config that may name a local folder: saved relative to the adapter's folder."""
 
 
-def relative_reference(name: object, folder: str) -> object:
+def relative_reference(name: object, folder: str | None) -> object:
     """``name`` (a recorded base or fine-tuned model) as a saved config records it: a local path relative to
     ``folder`` (the adapter's folder; ``./x`` or ``../x``), so that no machine's path is saved and the graft and its
     base can move together; a Hub id (or nothing) as it is."""
     if not isinstance(name, str) or not is_local_path(name):
         return name
+    if folder is None:
+        return None
     relative = os.path.relpath(os.path.abspath(name), os.path.abspath(folder))
     return relative if relative.split(os.sep)[0] == os.pardir else os.path.join(os.curdir, relative)
 
@@ -236,9 +239,10 @@ def _is_relative(name: str) -> bool:
     return name.replace("\\", "/").split("/")[0] in (os.curdir, os.pardir)
 
 
-def record_paths_relative(config_path: str, folder: str) -> None:
+def record_paths_relative(config_path: str, folder: str | None) -> None:
     """Rewrite a staged graft config so that its local paths (:data:`PATH_FIELDS`) are relative to ``folder``, the
-    adapter's destination (see :func:`relative_reference`)."""
+    adapter's destination (see :func:`relative_reference`); ``None`` (a push to the Hub): not recorded at all (the
+    card names the folder)."""
     config = read_json(config_path, "adapter config")
     if not isinstance(config, dict) or str(config.get("peft_type", "")).lower() != GRAFT_NAME:
         return
@@ -631,8 +635,9 @@ def wrap_auto_load(original):
             raise ValueError(
                 f"The graft {where!r} records no base model (base_model_name_or_path is "
                 f"{config.base_model_name_or_path!r} in its {CONFIG_NAME}: it was made on a model not loaded by "
-                f"name), so {cls.__name__} cannot load its base. Load the base model yourself and the graft onto it: "
-                f"PeftModel.from_pretrained(base, {where!r}); or record the base's Hub id or folder in that field "
+                f"name, or pushed from a local folder), so {cls.__name__} cannot load its base. Load the base model "
+                f"yourself and the graft onto it: PeftModel.from_pretrained(base, {where!r}); or record the base's "
+                "Hub id or folder in that field "
                 "(set model.peft_config[adapter_name].base_model_name_or_path before saving)."
             )
         if is_graft_config(config):
