@@ -147,3 +147,12 @@ def test_the_checked_reads_read_regular_files_to_their_size(tmp_path):
     os.mkfifo(tmp_path / "pipe")
     with bounded(), pytest.raises(ValueError, match=r"'.*pipe' is a named pipe \(FIFO\), not a regular file"):
         read_file(tmp_path / "pipe")
+
+
+@pytest.mark.parametrize("hostile", ["/dev/zero", "fifo"])
+def test_a_finetuned_path_that_is_not_a_regular_file_is_refused_naming_it(gpt2_pair, tmp_path, hostile):
+    """It was taken for a Hub id ("Repo id must be in the form ...")."""
+    path = tmp_path / "ft.safetensors"
+    HOSTILE[hostile][0](str(path))
+    with bounded(), pytest.raises(ValueError, match=rf"The fine-tuned checkpoint '{path}' is {HOSTILE[hostile][1]}"):
+        get_peft_model(clone_model(gpt2_pair[0]), GraftConfig(finetuned=str(path), sparsity=0.01))

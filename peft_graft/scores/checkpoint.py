@@ -37,7 +37,8 @@ def safetensors_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, st
     naming the path when the file, the index or a shard is not a regular file (a folder, a device, a FIFO).
     """
     path = Path(path)
-    if path.suffix == ".safetensors" and not path.is_dir() and check_file(path, "safetensors file", missing_ok=True):
+    is_file = not path.is_dir() and check_file(path, "fine-tuned checkpoint", missing_ok=True)  # a FIFO: refused
+    if is_file and path.suffix == ".safetensors":
         return [path], {}
     index = path / INDEX_FILE
     if path.is_dir() and check_file(index, "safetensors index", missing_ok=True):

@@ -14,6 +14,11 @@ too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``Valu
   by SIGKILL) is finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which
   also removes the staging folders of dead processes: the folder holds the previous adapter or the new one, never a
   mix.
+- Every file a load reads is checked first (:mod:`peft_graft._files`): a config or weights file that is a folder, a
+  device or a FIFO (or a link to one) is a ``ValueError`` naming it, never read without end or waited on.
+- A saved config records a local base or fine-tuned model (``base_model_name_or_path``,
+  ``finetuned_model_name_or_path``) relative to the adapter's folder, and reading it resolves the path again: no
+  machine's path is saved (:func:`relative_reference`).
 - The config of a saved graft records the sha256 of its weights file (``weights_checksum``); loading a local graft
   whose file does not match it is a ``ValueError``.
 - A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
@@ -103,9 +108,9 @@ def wrap_save(original):
                     write(os.path.join(staging, rel))
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
-                        destination = os.path.join(save_directory, os.path.relpath(root, staging))
+                        adapter_folder = os.path.join(save_directory, os.path.relpath(root, staging))
                         # a push's folder is a temporary one: a local path relative to it would mean nothing
-                        record_paths_relative(os.path.join(root, CONFIG_NAME), None if pushing() else destination)
+                        record_paths_relative(os.path.join(root, CONFIG_NAME), None if pushing() else adapter_folder)
                         record_weights_checksum(root)
                 selected = kwargs.get("selected_adapters", args[1] if len(args) > 1 else None)
                 write_graft_card(self, staging, given_directory, selected)
@@ -264,7 +269,7 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
     """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, graft tensors
     under another method's ``peft_type`` and missing integrity fields, verify the weights checksum. ``config``: the
     graft config the loader was given, if any."""
-    refuse_unresolvable_links(model_id, subfolder)
+    check_local_adapter_paths(model_id, subfolder)
     if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
         recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
         folder = os.path.join(os.fspath(model_id), subfolder or "")
@@ -274,7 +279,7 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
         verify_weights_checksum(folder)
 
 
-def refuse_unresolvable_links(model_id, subfolder: str | None = None) -> None:
+def check_local_adapter_paths(model_id, subfolder: str | None = None) -> None:
     """Check the local adapter paths before any loader reads them: a path (the folder, its config or weights) that
     exists as a symbolic link but cannot be resolved (a loop, a missing target) is a ``ValueError`` naming it (the
     loaders would take the folder for a Hub id), and so is a config or weights file that is not a regular file once
@@ -313,8 +318,8 @@ def wrap_load(original):
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
         with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
-            _refuse_taken_name(self, model_id, adapter_name)
             _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
+            _refuse_taken_name(self, model_id, adapter_name, kwargs.get("subfolder"))
             out = _load_checked(self, model_id, adapter_name, *args, **kwargs)
             config = self.peft_config.get(adapter_name)
             if is_graft_config(config) and config.inference_mode and hasattr(self.base_model, "pack_adapter"):
@@ -342,26 +347,29 @@ def wrap_load(original):
     return load_adapter
 
 
-def _refuse_taken_name(model: PeftModel, model_id, adapter_name: str) -> None:
-    """Loading under the name of a graft the model already holds would mix two grafts' tensors (peft reuses the
-    existing adapter's config): a ``ValueError`` naming the adapter. Allowed: filling an adapter created empty from a
-    saved graft's config (``PeftModel.from_pretrained`` does so), whose entries are still to be loaded."""
-    if not is_graft_config(model.peft_config.get(adapter_name)) or _awaiting_entries(model, adapter_name):
+def _refuse_taken_name(model: PeftModel, model_id, adapter_name: str, subfolder: str | None) -> None:
+    """Loading under the name of a graft the model holds loads into that adapter (peft keeps its config): new values
+    of the same graft (the same entries per module) are loaded; another graft is a ``ValueError`` naming the adapter,
+    before anything changes (it was a misleading error about the file's ``grafted_modules``)."""
+    existing = model.peft_config.get(adapter_name)
+    if not is_graft_config(existing) or not isinstance(model_id, (str, os.PathLike)):
         return
-    raise ValueError(
-        f"load_adapter({os.fspath(model_id)!r}, adapter_name={adapter_name!r}): this model already has an adapter "
-        f"named {adapter_name!r} (adapters: {sorted(model.peft_config)}). Pick another adapter_name, or delete that "
-        f"adapter first (model.delete_adapter({adapter_name!r}); the only adapter cannot be deleted: load the new one "
-        "under another name, then delete the old one). Nothing was loaded."
-    )
-
-
-def _awaiting_entries(model: PeftModel, adapter_name: str) -> bool:
-    """Whether graft ``adapter_name`` was created empty (from a saved graft's config) and no entries were loaded."""
-    layers = [m for m in model.modules() if isinstance(m, GraftLayer) and adapter_name in m.graft_indices]
-    return bool(layers) and all(
-        adapter_name in layer.awaiting_entries and int(layer.graft_indices[adapter_name].min()) < 0 for layer in layers
-    )
+    try:
+        saved = read_json(os.path.join(os.fspath(model_id), subfolder or "", CONFIG_NAME), "adapter config")
+    except (OSError, ValueError):
+        return  # not a local adapter folder (a Hub id): peft's checks of the file report it
+    if not isinstance(saved, dict):
+        return
+    if saved.get("grafted_modules") != existing.grafted_modules or (saved.get("exact_entries") or {}) != (
+        existing.exact_entries or {}
+    ):
+        raise ValueError(
+            f"load_adapter({os.fspath(model_id)!r}, adapter_name={adapter_name!r}): this model already has an adapter "
+            f"named {adapter_name!r} (adapters: {sorted(model.peft_config)}), and {os.fspath(model_id)!r} holds "
+            "another graft. Pick another adapter_name, or delete that adapter first (model.delete_adapter("
+            f"{adapter_name!r}); the only adapter cannot be deleted: load the new one under another name, then delete "
+            "the old one). Nothing was loaded."
+        )
 
 
 def wrap_transformers_load(original):
@@ -607,7 +615,7 @@ def wrap_peft_type_reader(original):
 
     @functools.wraps(original)
     def _get_peft_type(cls, model_id, **hf_hub_download_kwargs):
-        refuse_unresolvable_links(model_id, hf_hub_download_kwargs.get("subfolder"))
+        check_local_adapter_paths(model_id, hf_hub_download_kwargs.get("subfolder"))
         try:
             return original(cls, model_id, **hf_hub_download_kwargs)
         except KeyError as error:
@@ -625,7 +633,7 @@ def wrap_auto_load(original):
 
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        refuse_unresolvable_links(pretrained_model_name_or_path, kwargs.get("subfolder"))
+        check_local_adapter_paths(pretrained_model_name_or_path, kwargs.get("subfolder"))
         bound = inspect.signature(original).bind(cls, pretrained_model_name_or_path, *args, **kwargs).arguments
         config = PeftConfig.from_pretrained(  # as peft reads it (it ignores ``config`` for the base model)
             pretrained_model_name_or_path, revision=bound.get("revision"), **bound.get("kwargs", {})
