@@ -90,7 +90,7 @@ def read_file(path: str | os.PathLike, what: str = "file") -> bytes:
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     """The JSON value of the regular file ``path`` (UTF-8). Malformed JSON raises ``json.JSONDecodeError`` and bytes
-    that are not UTF-8 ``UnicodeDecodeError``, both ``ValueError``\\ s, as ``json.load`` does."""
+    that are not UTF-8 ``UnicodeDecodeError``, both subclasses of ``ValueError``, as ``json.load`` does."""
     return json.loads(read_file(path, what).decode("utf-8"))
 
 

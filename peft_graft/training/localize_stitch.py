@@ -20,6 +20,10 @@ With ``tau = theta_ft - theta_pre`` over the eligible tensors (the encoder layer
 The reference defaults for language tasks: ``sparsity=1e-5``, ``sigmoid_bias=5``, ``learning_rate=1e7``,
 ``l1_strength=10``, 10 steps, batch 8. ``exclude`` keeps entries out of the region for good (their ``S`` is ``-inf``),
 e.g. the regions of earlier tasks, to learn regions that do not collide.
+
+Only finite values are learned from: NaN or inf in theta_ft, theta_pre or ``tau``, a fine-tune equal to the model
+outside ``exclude``, and an ``exclude`` covering every eligible entry are refused (``ValueError``) when the localizer
+is made; a step whose loss or gradient is not finite is refused, leaving ``S`` and the model as they were.
 """
 
 from __future__ import annotations
