@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ._files import check_file, open_file, read_json
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 CHECKSUM_FIELD = "weights_checksum"
@@ -25,10 +27,14 @@ logger = logging.getLogger(__name__)
 
 def file_checksum(path: str | os.PathLike) -> str:
     """``"sha256:<hex>"`` of the file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+    digest, read = hashlib.sha256(), 0
+    with open_file(path, "adapter weights file") as (handle, size):  # a regular file: read to its size, no more
+        while read < size:
+            block = handle.read(min(1 << 20, size - read))
+            if not block:
+                break
             digest.update(block)
+            read += len(block)
     return f"sha256:{digest.hexdigest()}"
 
 
@@ -56,8 +62,7 @@ def record_weights_checksum(folder: str | os.PathLike) -> None:
     config_path, weights = os.path.join(folder, CONFIG_NAME), os.path.join(folder, WEIGHTS_NAME)
     if not (os.path.isfile(config_path) and os.path.isfile(weights)):
         return
-    with open(config_path, encoding="utf-8") as handle:
-        config = json.load(handle)
+    config = read_json(config_path, "adapter config")
     if str(config.get("peft_type", "")).lower() != "graft":
         return
     config[CHECKSUM_FIELD] = file_checksum(weights)
@@ -72,14 +77,14 @@ def verify_weights_checksum(folder: str | os.PathLike) -> None:
     file) with a ``ValueError``; a folder without a readable config, or a config without a checksum (older saves), is
     not checked."""
     try:
-        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-            config = json.load(handle)
+        config = read_json(os.path.join(folder, CONFIG_NAME), "adapter config")
     except (OSError, ValueError):
         return  # not a readable adapter folder: the loader reports it
     expected = config.get(CHECKSUM_FIELD) if isinstance(config, dict) else None
     weights = os.path.join(folder, WEIGHTS_NAME)
-    if not expected or not os.path.isfile(weights):
+    if not expected or not os.path.lexists(weights):
         return
+    check_file(weights, "adapter weights file")  # a folder, device or FIFO there: a ValueError naming it
     if file_checksum(weights) != expected:
         raise ValueError(
             f"{weights!r} does not match the checksum recorded in its {CONFIG_NAME}: the file is truncated or "
@@ -122,8 +127,7 @@ def check_integrity_fields(folder: str | os.PathLike, config: object | None = No
     readable graft config is left to the loader."""
     path = os.path.join(folder, CONFIG_NAME)
     try:
-        with open(path, encoding="utf-8") as handle:
-            saved = json.load(handle)
+        saved = read_json(path, "adapter config")
     except (OSError, ValueError):
         return
     if not isinstance(saved, dict) or str(saved.get("peft_type", "")).lower() != "graft":

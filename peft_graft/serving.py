@@ -23,6 +23,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 from ._checksum import CONFIG_NAME, WEIGHTS_NAME, record_weights_checksum, verify_weights_checksum
+from ._files import check_file
 
 __all__ = ["load_grafts", "pad_logit"]
 
@@ -69,7 +70,7 @@ def load_grafts(model: torch.nn.Module, grafts: Mapping[str, str | os.PathLike],
 def _padded(folder: Path, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], scratch: Path) -> str:
     """``folder`` itself when no stored tensor needs padding, else a padded copy of it in ``scratch``."""
     weights = folder / WEIGHTS_NAME
-    if not weights.is_file():
+    if not check_file(weights, "adapter weights file", missing_ok=True):
         raise ValueError(f"{str(folder)!r} has no {WEIGHTS_NAME}: give a folder saved by save_pretrained.")
     verify_weights_checksum(folder)  # the copy gets its own checksum: check the original first
     tensors = load_file(str(weights))

@@ -270,9 +270,10 @@ def test_the_card_of_a_top_k_graft_replaces_peft_template_and_runs_as_written(to
     assert "| How the region was found | Chosen by the `movement` strategy (123 entries), not learned. |" in text
     assert "### Metrics" not in text  # no run recorded any
     snippet = code_block(text)
-    assert "import peft_graft" in snippet and f'PeftModel.from_pretrained(base, "{folder}")' in snippet
+    assert "import peft_graft" in snippet and 'PeftModel.from_pretrained(base, "path/to/g")' in snippet
+    assert str(tmp_path) not in (folder / "README.md").read_text()  # no machine's path (issue 60)
     namespace: dict = {}
-    exec(snippet.replace("path/to/base", base), namespace)  # the snippet loads the graft as written
+    exec(snippet.replace("path/to/base", base).replace("path/to/g", str(folder)), namespace)  # runs as written
     with torch.no_grad():
         expected = model(input_ids=input_ids()).logits
         assert torch.equal(namespace["model"](input_ids=input_ids()).logits, expected)
@@ -334,7 +335,8 @@ def test_a_card_with_several_grafts_has_a_section_per_saved_adapter(tmp_path):
     snippet = code_block(text)
     assert 'subfolder="second", adapter_name="second"' in snippet
     namespace: dict = {}
-    exec(snippet.replace("path/to/base", str(tmp_path / "base")), namespace)  # loads the graft from its sub-folder
+    snippet = snippet.replace("path/to/base", str(tmp_path / "base")).replace("path/to/one", str(tmp_path / "one"))
+    exec(snippet, namespace)  # loads the graft from its sub-folder
     model.set_adapter("second")
     with torch.no_grad():
         assert torch.equal(namespace["model"](input_ids=input_ids()).logits, model(input_ids=input_ids()).logits)

@@ -1,10 +1,12 @@
 """Issue 37, the Hub boundary (no network: every Hub call is intercepted): a failed ``push_to_hub`` says what failed,
 where the graft is saved and how to retry; ``AutoPeftModel*`` on a graft that records no base model says so at once;
-the card never has an empty ``base_model`` nor names a base by a machine's path."""
+the card never has an empty ``base_model`` nor names a base by a machine's path; saved metadata holds no machine's
+path (issue 60: a local base recorded relative to the adapter's folder), and a base folder that is gone is named."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -163,3 +165,69 @@ def test_the_packaged_minilm_folder_is_named_by_its_hub_id():
     assert "sentence-transformers/all-MiniLM-L6-v2" in (folder / "README.md").read_text()  # where the id comes from
     assert base_reference("roberta-base") == ("roberta-base", None)
     assert base_reference(None) == (None, None) and base_reference("") == (None, None)
+
+
+# ------------------------------------------------------------------------------------------ no machine paths (issue 60)
+def test_saved_metadata_holds_no_machine_path_and_graft_and_base_move_together(pre, tmp_path, no_network, monkeypatch):
+    """The config recorded the base's absolute path and the card the save folder's: now the base (and a fine-tune
+    given by path) is recorded relative to the adapter's folder, and the card names folders by their names."""
+    pre.save_pretrained(tmp_path / "models" / "my_base")
+    finetune_like(pre).save_pretrained(tmp_path / "models" / "my_ft")
+    base = type(pre).from_pretrained(tmp_path / "models" / "my_base")
+    config = GraftConfig(finetuned=str(tmp_path / "models" / "my_ft"), sparsity=0.05, task_type="SEQ_CLS")
+    model = get_peft_model(base, config)
+    model.save_pretrained(tmp_path / "grafts" / "g")
+    saved = json.loads((tmp_path / "grafts" / "g" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == os.path.join("..", "..", "models", "my_base")
+    assert saved["finetuned_model_name_or_path"] == os.path.join("..", "..", "models", "my_ft")
+    for name in ("adapter_config.json", "README.md"):
+        assert str(tmp_path) not in (tmp_path / "grafts" / "g" / name).read_text()
+    text = card(tmp_path / "grafts" / "g")[1]
+    assert 'PeftModel.from_pretrained(base, "path/to/g")' in text and "a local folder, `my_ft`" in text
+    expected = model(input_ids()).logits
+    shutil.move(tmp_path / "grafts", tmp_path / "moved" / "grafts")  # graft and base moved together
+    shutil.move(tmp_path / "models", tmp_path / "moved" / "models")
+    monkeypatch.chdir(tmp_path / "moved" / "grafts")  # from any working directory
+    loaded = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "moved" / "grafts" / "g")
+    assert torch.equal(loaded(input_ids()).logits, expected)
+    assert loaded.peft_config["default"].base_model_name_or_path == str(tmp_path / "moved" / "models" / "my_base")
+    loaded.save_pretrained(tmp_path / "moved" / "again")  # saved elsewhere: relative to that folder
+    again = json.loads((tmp_path / "moved" / "again" / "adapter_config.json").read_text())
+    assert again["base_model_name_or_path"] == os.path.join("..", "models", "my_base")
+
+
+@pytest.mark.parametrize("recorded", ["relative", "absolute"])
+def test_auto_loading_a_graft_whose_base_folder_is_gone_names_it(pre, tmp_path, no_network, recorded):
+    """It was huggingface_hub's "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    pre.save_pretrained(tmp_path / "base")
+    model = graft_of(type(pre).from_pretrained(tmp_path / "base"))
+    model.save_pretrained(tmp_path / "g")
+    if recorded == "absolute":  # as older saves recorded it
+        path = tmp_path / "g" / "adapter_config.json"
+        path.write_text(path.read_text().replace('"../base"', json.dumps(str(tmp_path / "base"))))
+    shutil.rmtree(tmp_path / "base")
+    shown = "../base" if recorded == "relative" else str(tmp_path / "base")
+    with pytest.raises(ValueError, match=rf"The graft '{tmp_path / 'g'}' records its base model as the local folder "
+                                         rf"'{shown}' \(base_model_name_or_path.*which does not exist here, so "
+                                         r"AutoPeftModelForSequenceClassification cannot load it.*"
+                                         r"PeftModel.from_pretrained\(base, "):  # fmt: skip
+        AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "g")
+    assert torch.equal(PeftModel.from_pretrained(clone_model(pre), tmp_path / "g")(input_ids()).logits,
+                       model(input_ids()).logits)  # fmt: skip
+
+
+def test_a_pushed_graft_of_a_local_base_records_no_machine_path(pre, tmp_path, monkeypatch):
+    """A push saves into a temporary folder: a path relative to it would mean nothing, so a local base is not recorded
+    in the uploaded config (its card names the folder), and loading it says so."""
+    pre.save_pretrained(tmp_path / "my_base")
+    model = graft_of(type(pre).from_pretrained(tmp_path / "my_base"))
+    uploaded = tmp_path / "hub"
+    monkeypatch.setattr(HfApi, "create_repo", _created)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, folder_path, **kw: shutil.copytree(folder_path, uploaded))
+    model.push_to_hub("my-graft")
+    saved = json.loads((uploaded / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] is None
+    for name in ("adapter_config.json", "README.md"):
+        assert str(tmp_path) not in (uploaded / name).read_text() and "/tmp/" not in (uploaded / name).read_text()
+    assert "a local folder, `my_base`" in card(uploaded)[1]
+    assert model.peft_config["default"].base_model_name_or_path == str(tmp_path / "my_base")  # in memory: as it was

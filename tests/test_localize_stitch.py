@@ -131,3 +131,40 @@ def test_a_finetune_of_another_model_is_refused():
         LocalizeStitch(Tiny(), {"encoder.layer.0.w": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"finetuned's 'encoder.layer.0.w' has shape \(2,\), the model's \(3,\)"):
         LocalizeStitch(Tiny(), {**FINETUNED, "encoder.layer.0.w": torch.zeros(2)})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_finetune_is_refused_naming_the_tensor(bad):
+    """One NaN or inf in the fine-tune made every score NaN and the region empty, with no error."""
+    finetuned = {**FINETUNED, "encoder.layer.1.b": torch.tensor([0.1, bad])}
+    with pytest.raises(ValueError, match=r"finetuned's 'encoder.layer.1.b' holds 1 NaN or inf entries \(e.g. flat "
+                                         r"index 1: .*\): a region cannot be learned"):  # fmt: skip
+        LocalizeStitch(Tiny(), finetuned)
+
+
+def test_a_non_finite_loss_is_refused_and_the_scores_kept():
+    model = Tiny()
+    localizer = LocalizeStitch(model, FINETUNED, sparsity=0.4, sigmoid_bias=1.0, learning_rate=0.5)
+    before = {name: scores.clone() for name, scores in localizer.scores.items()}
+    batches = [{"x": torch.ones(3)}, {"x": torch.tensor([1.0, float("nan"), 0.0])}]
+    with pytest.raises(ValueError, match=r"The loss of batch 1 is nan: the scores S are left as they were"):
+        localizer.step(batches)
+    assert all(torch.equal(localizer.scores[name], before[name]) for name in before)
+    assert torch.equal(model.encoder.layer[0].w.detach(), torch.tensor([1.0, -2.0, 0.5]))  # theta_pre is back
+    assert all(p.grad is None for p in model.parameters())
+    localizer.step(batches[:1])  # a finite pass still steps
+    assert localizer.region().num_entries >= 1
+
+
+def test_a_finetune_equal_to_the_model_or_an_exclude_covering_everything_is_refused():
+    model = Tiny()
+    same = {name: p.detach().clone() for name, p in model.named_parameters()}
+    equal = r"finetuned equals the model on every eligible entry outside exclude \(tau = theta_ft - theta_pre is 0\)"
+    with pytest.raises(ValueError, match=rf"{equal}: there is nothing to localize"):
+        LocalizeStitch(model, same)
+    everything = Region({"encoder.layer.0.w": [0, 1, 2], "encoder.layer.1.b": [0, 1]})
+    with pytest.raises(ValueError, match=r"exclude covers all 5 eligible entries: no entry could join the region"):
+        LocalizeStitch(model, FINETUNED, exclude=everything)
+    moved_only = Region({"encoder.layer.0.w": [0, 2], "encoder.layer.1.b": [0, 1]})  # w[1] did not move
+    with pytest.raises(ValueError, match=r"nothing to localize"):
+        LocalizeStitch(model, FINETUNED, exclude=moved_only)

@@ -7,7 +7,6 @@ keeps apart.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .._checksum import CONFIG_NAME, WEIGHTS_NAME, check_integrity_fields, verify_weights_checksum
+from .._files import check_file, read_json
 from ..parameter_layout import PEFT_PREFIX, Layout, build_layout
 
 
@@ -151,20 +151,19 @@ def saved_region(path: str | os.PathLike, layout: Layout) -> Region:
     """The region of the graft saved in folder ``path``, for the model whose structure is ``layout``."""
     path = os.fspath(path)
     config_file, weights_file = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
-    for file in (config_file, weights_file):
-        if not os.path.isfile(file):
+    for file, what in ((config_file, "adapter config"), (weights_file, "adapter weights file")):
+        if not check_file(file, what, missing_ok=True):
             raise ValueError(f"{path!r} is not a saved graft: {os.path.basename(file)} is missing.")
-    with open(config_file, encoding="utf-8") as handle:
-        try:
-            config = json.load(handle)
-        except ValueError as error:
-            raise ValueError(f"{config_file} is not valid JSON ({error}): save the graft again.") from error
+    try:
+        config = read_json(config_file, "adapter config")
+    except ValueError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error}): save the graft again.") from error
     grafted_modules = config.get("grafted_modules") if isinstance(config, dict) else None
     if not isinstance(grafted_modules, dict):
         raise ValueError(f"{config_file} records no grafted_modules: it is not a graft adapter config.")
     check_integrity_fields(path)
     verify_weights_checksum(path)
-    weights = load_file(weights_file)
+    weights = load_file(check_file(weights_file, "adapter weights file"))
     region = {}
     for module, count in grafted_modules.items():
         indices = weights.get(f"{PEFT_PREFIX}{module}.graft_indices")

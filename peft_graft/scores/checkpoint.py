@@ -8,13 +8,14 @@ Read in shard order, each shard is opened once.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from .._files import check_file, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -32,15 +33,17 @@ def safetensors_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, st
     """The safetensors files of a local checkpoint and its weight map (tensor name -> file name), or ``None`` if
     ``path`` is neither a ``.safetensors`` file nor a folder holding ``model.safetensors`` or a sharded index.
 
-    Raises a ``ValueError`` naming the shard when the index lists a file that is missing or is not valid JSON.
+    Raises a ``ValueError`` naming the shard when the index lists a file that is missing or is not valid JSON, and
+    naming the path when the file, the index or a shard is not a regular file (a folder, a device, a FIFO).
     """
     path = Path(path)
-    if path.is_file() and path.suffix == ".safetensors":
+    is_file = not path.is_dir() and check_file(path, "fine-tuned checkpoint", missing_ok=True)  # a FIFO: refused
+    if is_file and path.suffix == ".safetensors":
         return [path], {}
     index = path / INDEX_FILE
-    if index.is_file():
+    if path.is_dir() and check_file(index, "safetensors index", missing_ok=True):
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index, "safetensors index")["weight_map"]
         except (ValueError, KeyError, TypeError) as error:
             message = f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {error}"
             raise ValueError(message) from error
@@ -54,14 +57,14 @@ def safetensors_files(path: str | os.PathLike) -> tuple[list[Path], dict[str, st
                 "again."
             )
         files = sorted({path / shard for shard in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
+        missing = [f.name for f in files if not check_file(f, "checkpoint shard", missing_ok=True)]
         if missing:
             raise ValueError(
                 f"The fine-tuned checkpoint {str(path)!r} lists shards that are missing: {missing}. Copy or download "
                 "every shard named in model.safetensors.index.json."
             )
         return files, weight_map
-    if (path / SINGLE_FILE).is_file():
+    if path.is_dir() and check_file(path / SINGLE_FILE, "safetensors file", missing_ok=True):
         return [path / SINGLE_FILE], {}
     return None
 
@@ -79,6 +82,7 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
         self._headers: dict[str, tuple[tuple[int, ...], str]] = {}
         by_name = {f.name: f for f in files}
         for file in files:
+            check_file(file, "checkpoint shard")  # a folder, device or FIFO: a ValueError naming it
             try:
                 with safe_open(str(file), "pt") as handle:
                     for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
@@ -115,7 +119,7 @@ class StreamedCheckpoint(Mapping[str, torch.Tensor]):
         file = self._where[key]
         if self._open is None or self._open[0] != file:
             self.close()
-            handle = safe_open(str(file), "pt")
+            handle = safe_open(check_file(file, "checkpoint shard"), "pt")
             self._open = (file, handle.__enter__())
         return self._open[1]
 

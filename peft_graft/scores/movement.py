@@ -6,7 +6,6 @@ stores on its region.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -15,6 +14,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from .._files import check_file, read_json
 from ..parameter_layout import Layout, peft_free_name
 from .checkpoint import StreamedCheckpoint, safetensors_files
 
@@ -74,11 +74,10 @@ def _local_checkpoint(source: str | os.PathLike) -> str | os.PathLike:
 
 def _saved_model_type(folder: os.PathLike) -> str | None:
     config = os.path.join(folder, "config.json")
-    if not os.path.isfile(config):
+    if not check_file(config, "model config", missing_ok=True):
         return None
     try:
-        with open(config) as file:
-            return json.load(file).get("model_type")
+        return read_json(config, "model config").get("model_type")
     except (ValueError, AttributeError):
         return None
 

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .._checksum import CONFIG_NAME, state_checksum, tensor_bytes
+from .._files import check_file, read_json
 from ..parameter_layout import FlatIndexSpace, build_layout
 from ..regions import Region
 from ..regions.region import saved_region
@@ -158,8 +159,7 @@ class ContinualGrafter:
             region = region.get_region()
         elif isinstance(region, (str, os.PathLike)):
             folder, region = region, saved_region(region, build_layout(self.model))  # checks the folder first
-            with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-                checksums = json.load(handle).get("base_checksum") or {}
+            checksums = read_json(os.path.join(folder, CONFIG_NAME), "adapter config").get("base_checksum") or {}
         elif isinstance(region, Mapping) and not isinstance(region, Region):
             region = Region(region)
         if not isinstance(region, Region):
@@ -472,7 +472,7 @@ class ContinualGrafter:
         a file whose tensors or metadata differ from the checksum it records (a flipped bit, an edit).
         ``require_checksum=False`` loads a state saved by an older peft_graft, which recorded none."""
         path = os.path.join(save_directory, STATE_NAME)
-        if not os.path.isfile(path):
+        if not check_file(path, "ContinualGrafter state", missing_ok=True):
             raise ValueError(f"{os.fspath(save_directory)!r} holds no {STATE_NAME}: not a saved ContinualGrafter.")
         try:
             with safe_open(path, framework="pt") as handle:

@@ -20,10 +20,15 @@ With ``tau = theta_ft - theta_pre`` over the eligible tensors (the encoder layer
 The reference defaults for language tasks: ``sparsity=1e-5``, ``sigmoid_bias=5``, ``learning_rate=1e7``,
 ``l1_strength=10``, 10 steps, batch 8. ``exclude`` keeps entries out of the region for good (their ``S`` is ``-inf``),
 e.g. the regions of earlier tasks, to learn regions that do not collide.
+
+Only finite values are learned from: NaN or inf in theta_ft, theta_pre or ``tau``, a fine-tune equal to the model
+outside ``exclude``, and an ``exclude`` covering every eligible entry are refused (``ValueError``) when the localizer
+is made; a step whose loss or gradient is not finite is refused, leaving ``S`` and the model as they were.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 
@@ -85,10 +90,28 @@ class LocalizeStitch:
             if state[name].shape != param.shape:
                 raise ValueError(f"finetuned's {name!r} has shape {tuple(state[name].shape)}, the model's "
                                  f"{tuple(param.shape)}: give the fine-tune of this model.")  # fmt: skip
+            for source, tensor in (("finetuned", state[name]), ("the model", param)):
+                _check_finite(tensor, f"{source}'s {name!r}")
             self.pre[name] = param.detach().clone()
             self.tau[name] = (state[name].detach().to(param) - self.pre[name]).float()
+            _check_finite(self.tau[name], f"tau = theta_ft - theta_pre of {name!r} (it overflows {param.dtype})")
         self.excluded = {name: self._excluded(name, exclude) for name in self.params}
+        self._check_something_to_learn()
         self._start(sparsity)
+
+    def _check_something_to_learn(self) -> None:
+        """Refuse an ``exclude`` that covers every eligible entry, and a fine-tune equal to the model outside it."""
+        if all(bool(self.excluded[name].all()) for name in self.params):
+            raise ValueError(
+                f"exclude covers all {self.num_eligible} eligible entries: no entry could join the region. Exclude "
+                "fewer entries (e.g. only earlier tasks' regions), or widen include."
+            )
+        if not any(bool(((self.tau[n] != 0) & ~self.excluded[n]).any()) for n in self.params):
+            raise ValueError(
+                "finetuned equals the model on every eligible entry outside exclude (tau = theta_ft - theta_pre is 0): "
+                "there is nothing to localize. Give the fine-tuned model (not a copy of the pre-trained one), or "
+                "check include and exclude."
+            )
 
     def _excluded(self, name: str, exclude: Region | None) -> torch.Tensor:
         mask = torch.zeros(self.params[name].numel(), dtype=torch.bool)
@@ -127,22 +150,21 @@ class LocalizeStitch:
                 for name, param in self.params.items():
                     param.copy_(self.pre[name] + torch.sigmoid(self.scores[name]) * self.tau[name])
             losses = []
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 loss = loss_fn(self.model, batch) if loss_fn is not None else self.model(**batch).loss
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise ValueError(
+                        f"The loss of batch {index} is {value}: the scores S are left as they were. Check that "
+                        "batch and the model's outputs (a loss that is not finite would make every score NaN)."
+                    )
                 loss.backward()  # gradients add up over the pass
-                losses.append(float(loss.detach()))
+                losses.append(value)
             if not losses:
                 raise ValueError("batches is empty: a step needs at least one batch of the training set.")
             with torch.no_grad():
-                for name, param in self.params.items():
-                    grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                    scores = self.scores[name]
-                    sigmoid = torch.sigmoid(scores)
-                    slope = sigmoid * (1 - sigmoid)
-                    task = self.learning_rate * grad.float() * self.tau[name] * slope
-                    keep_sign = self.l1_strength * torch.where(scores > 0, slope, -slope)
-                    updated = scores - task + keep_sign
-                    self.scores[name] = updated.masked_fill(self.excluded[name], -torch.inf)
+                updates = {name: self._updated(name, param.grad) for name, param in self.params.items()}
+            self.scores.update(updates)  # all or nothing: every tensor was checked
         finally:
             with torch.no_grad():
                 for name, param in self.params.items():
@@ -152,6 +174,24 @@ class LocalizeStitch:
                 param.requires_grad_(flags[name])
             self.model.train(was_training)
         return sum(losses) / len(losses)
+
+    def _updated(self, name: str, grad: torch.Tensor | None) -> torch.Tensor:
+        """The scores of tensor ``name`` after a step with the summed gradient ``grad``; a ``ValueError`` if it or the
+        new scores hold NaN (S unchanged then)."""
+        grad = grad if grad is not None else torch.zeros_like(self.params[name])
+        _check_finite(grad, f"the gradient of {name!r} (summed over the step's batches)")
+        scores = self.scores[name]
+        sigmoid = torch.sigmoid(scores)
+        slope = sigmoid * (1 - sigmoid)
+        task = self.learning_rate * grad.float() * self.tau[name] * slope
+        keep_sign = self.l1_strength * torch.where(scores > 0, slope, -slope)
+        updated = (scores - task + keep_sign).masked_fill(self.excluded[name], -torch.inf)
+        if bool(torch.isnan(updated).any()):
+            raise ValueError(
+                f"The step makes scores of {name!r} NaN (learning_rate={self.learning_rate} times its gradient "
+                "overflows): the scores S are left as they were. Lower learning_rate."
+            )
+        return updated
 
     def train(self, batches: Iterable[Mapping[str, torch.Tensor]], steps: int, loss_fn: Callable | None = None) -> list:
         """``steps`` full-batch steps (``batches`` is iterated once per step); returns ``(loss, region size)`` per
@@ -168,6 +208,19 @@ class LocalizeStitch:
     @property
     def num_eligible(self) -> int:
         return sum(p.numel() for p in self.params.values())
+
+
+def _check_finite(tensor: torch.Tensor, what: str) -> None:
+    """A ``ValueError`` naming ``what`` if ``tensor`` holds NaN or inf: one would make every score NaN and the region
+    empty."""
+    bad = ~torch.isfinite(tensor.detach())
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).nonzero()[0])
+        raise ValueError(
+            f"{what} holds {int(bad.sum())} NaN or inf entries (e.g. flat index {first}: "
+            f"{float(tensor.detach().reshape(-1)[first])}): a region cannot be learned from it, one would make every "
+            "score NaN. Give finite values (the fine-tune of this model, trained without overflow)."
+        )
 
 
 __all__ = ["ELIGIBLE", "LocalizeStitch"]

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
+from .._files import check_file
 from ..parameter_layout import NO_ENTRIES, num_base_parameters
 from ..sharding import deepspeed_refusal
 from ..tuner.layer import graft_state_modules
@@ -365,6 +366,7 @@ class MaskTrainer(LossTermsTrainer):
         return self._fingerprint
 
     def _load_scores(self, path: str) -> None:
+        check_file(path, "mask-training checkpoint")  # a folder, device or FIFO: a ValueError naming it
         try:
             with safe_open(path, framework="pt") as handle:
                 recorded = (handle.metadata() or {}).get(FINGERPRINT_KEY)

@@ -19,6 +19,7 @@ from typing import Any
 from huggingface_hub import ModelCard
 from peft.utils.other import AuxiliaryTrainingWrapper
 
+from .._files import is_local_path
 from ..parameter_layout import PEFT_PREFIX, peft_free_name
 from .config import GRAFT_NAME
 from .provenance import describe
@@ -55,6 +56,11 @@ def card_location(location: str):
         _location.reset(token)
 
 
+def pushing() -> bool:
+    """Whether a push to the Hub is saving (inside :func:`card_location`)."""
+    return _location.get() is not None
+
+
 def write_graft_card(model, folder: str, destination: str | None = None, adapters: list[str] | None = None) -> None:
     """Write the graft's card into ``folder/README.md`` (peft's card there, if any, gives its metadata).
 
@@ -69,7 +75,7 @@ def write_graft_card(model, folder: str, destination: str | None = None, adapter
     card.data.base_model = hub_id  # never empty, never a machine's path
     tags = {tag for tag in card.data.tags or [] if not tag.startswith(ADAPTER_TAG)} | set(CARD_TAGS)
     card.data.tags = sorted(tags | ({f"{ADAPTER_TAG}{hub_id}"} if hub_id else set()))
-    location = _location.get() or destination or folder
+    location = _location.get() or portable_location(destination or folder)
     section = "\n".join([CARD_START, graft_card_text(model, location, base_name, adapters), CARD_END])
     card.text = f"{_user_text(card.text)}\n\n{section}\n".lstrip("\n")
     card.save(path)
@@ -147,7 +153,7 @@ def base_reference(name: str | None) -> tuple[str | None, str | None]:
     if not name:
         return None, None
     name = os.fspath(name)
-    if not (os.path.isabs(name) or name.startswith(".") or os.path.isdir(name)):
+    if not is_local_path(name):
         return name, None
     folder = os.path.realpath(name)
     for package, (inside, hub_id) in PACKAGED_MODELS.items():
@@ -155,6 +161,13 @@ def base_reference(name: str | None) -> tuple[str | None, str | None]:
         if spec is not None and spec.origin and folder == os.path.realpath(os.path.join(spec.origin, "..", inside)):
             return hub_id, os.path.basename(folder)
     return None, os.path.basename(folder.rstrip(os.sep)) or folder
+
+
+def portable_location(path: str) -> str:
+    """A save folder as a card's load snippet names it: as given when relative, else ``path/to/<its name>`` (a
+    machine's absolute path means nothing elsewhere)."""
+    path = os.fspath(path)
+    return f"path/to/{os.path.basename(os.path.normpath(path))}" if os.path.isabs(path) else path
 
 
 def _base_text(hub_id: str | None, folder_name: str | None) -> str:
@@ -191,7 +204,8 @@ def _adapter_text(model, name: str, several: bool) -> list[str]:
         heads = ", ".join(f"`{head}`" for head in _heads_stored_whole(model, name))
         rows.append(("Stored whole (modules_to_save)", f"{heads}: {stats.modules_to_save_parameters:,} parameters"))
     if config.finetuned_model_name_or_path:
-        rows.append(("Fine-tuned model (theta_ft)", _code(config.finetuned_model_name_or_path)))
+        hub_id, folder_name = base_reference(config.finetuned_model_name_or_path)
+        rows.append(("Fine-tuned model (theta_ft)", _code(hub_id) if hub_id else f"a local folder, `{folder_name}`"))
     lines = [heading, "", "| | |", "| --- | --- |", *(f"| {key} | {value} |" for key, value in rows)]
     lines += ["", *_placement_text(stats)]
     metrics = provenance.get("metrics")

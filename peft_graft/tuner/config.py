@@ -12,6 +12,7 @@ from typing import Any
 from peft.config import PeftConfig
 
 from .._peft_compat import extend_peft_type
+from ..regions.region import Region
 from ..regions.strategies import get_region_strategy
 from .provenance import check_provenance
 
@@ -40,7 +41,8 @@ class GraftConfig(PeftConfig):
             MaskTrainer's logs) give a graft's size as ``fraction_of_parameters``, entries over all parameters of the
             base model. The word means this budget and nothing else in the package.
         num_entries: Exact budget ``k``; overrides ``sparsity`` when set.
-        region: Name of the region strategy (see :mod:`peft_graft.regions.strategies`): ``"movement"`` (the paper's
+        region: A :class:`~peft_graft.Region` (the same as ``region="given", given_region=<it>``), or the name of the
+            region strategy (see :mod:`peft_graft.regions.strategies`): ``"movement"`` (the paper's
             ``gamma_base``: top-k of ``|theta_ft - theta_pre|`` over all eligible tensors), ``"random"`` (seeded),
             ``"bias"`` (top-k movement among biases only), ``"fisher"`` (a FISH mask: top-k of ``region_scores``),
             ``"given"`` (``given_region``), ``"empty"``
@@ -173,10 +175,28 @@ class GraftConfig(PeftConfig):
         self._finetuned = finetuned
         self._given_region = given_region
         self._region_scores = region_scores
+        self._take_region_object()
         if isinstance(finetuned, str) and self.finetuned_model_name_or_path is None:
             self.finetuned_model_name_or_path = finetuned
         self._validate()
         self._intern_module_names()
+
+    def _take_region_object(self) -> None:
+        """``region=<a Region>`` means ``region="given", given_region=<that Region>``; ``region`` is otherwise a
+        strategy's name (a ``TypeError`` saying what to pass)."""
+        if isinstance(self.region, Region):
+            if self._given_region is not None:
+                raise ValueError(
+                    "region=<a Region> and given_region= were both given: pass the region once, as region=<Region> "
+                    'or as region="given", given_region=<Region>.'
+                )
+            self.region, self._given_region = "given", self.region
+        elif not isinstance(self.region, str) and not self.is_created:  # a loaded graft needs no strategy
+            raise TypeError(
+                f"region must be the name of a region strategy (a string such as 'movement') or a Region, got "
+                f"{type(self.region).__name__}. Pass boolean masks or a saved graft's path as "
+                'region="given", given_region=<masks, Region or path>.'
+            )
 
     def _intern_module_names(self) -> None:
         """Intern the module names keying the recorded layout: a thousand loaded grafts of one model then share one

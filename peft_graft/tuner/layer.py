@@ -290,6 +290,38 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                     f"{type(self.base_layer).__name__} overflow {tensor.dtype} (inf or NaN): use a smaller scale."
                 )
 
+    def check_cast_fits(self, fn: Any, where: str = "") -> None:
+        """Refuse ``fn`` (of ``nn.Module._apply``, e.g. ``.half()``) when it casts a tensor this layer grafts to a dtype
+        whose range a grafted value exceeds (beyond fp16's 65,504): the cast model's outputs would be inf or NaN. A
+        ``ValueError`` naming the adapter, the tensor (``where``: the layer's module name) and the value."""
+        for attr in self.stored_attrs:
+            tensor = getattr(self.base_layer, attr)
+            if tensor.device.type == "meta" or not _casts_dtype(fn, [tensor]):  # meta: no values to cast
+                continue
+            for adapter_name in self._all_available_adapter_names():
+                indices = self.graft_indices[adapter_name] if adapter_name in self.graft_indices else None  # noqa: SIM401 (BufferDict has no get)
+                unloaded = indices is not None and indices.numel() and int(indices.min()) < 0  # see update_layer
+                if not self.has_region(adapter_name) or self.is_learning(adapter_name) or unloaded:
+                    continue
+                entries = self._sparse_entries(adapter_name, attr)
+                if entries is None or not entries[0].numel():
+                    continue
+                with torch.no_grad():
+                    current = tensor.detach().reshape(-1)[entries[0].to(tensor.device)]
+                    if adapter_name not in self.merged_adapters:  # merged: the base tensor holds the grafted values
+                        current = graft_entries(current, entries, True, self.get_scale(adapter_name))
+                    cast = fn(current)
+                overflow = torch.isfinite(current) & ~torch.isfinite(cast.to(current.device))
+                if bool(overflow.any()):
+                    value = float(current[overflow][0])
+                    limit = torch.finfo(cast.dtype).max
+                    raise ValueError(
+                        f"Casting to {cast.dtype} would turn the grafted value {value:.6g} of adapter {adapter_name!r} "
+                        f"in tensor {where}{attr} into inf ({cast.dtype} holds up to {limit:.6g}): "
+                        "the outputs would be inf or NaN. Nothing was cast. Keep the model in float32, cast to "
+                        "torch.bfloat16 (float32's range), or delete that adapter first."
+                    )
+
     def get_scale(self, adapter_name: str) -> float:
         """The run-time scale of ``adapter_name`` (1.0 unless :meth:`set_scale` changed it)."""
         return self.scaling.get(adapter_name, 1.0)
@@ -454,6 +486,8 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         # A tensor tied to another layer's (a tied LM head's weight) is cast by whichever module ``fn`` reaches first:
         # the layer storing its entries gets ready here too, before its tensors change.
         layers = {id(self): self} | {id(source): source for source, _ in self.tied_sources.values()}
+        for layer in layers.values():  # a cast reaching this layer alone (GraftModel checks every layer first)
+            layer.check_cast_fits(fn, f"{type(layer.base_layer).__name__}.")
         for layer in layers.values():
             layer._prepare_apply(fn)
         graft = {id(tensor) for name in GRAFT_TENSORS for tensor in getattr(self, name).values()}

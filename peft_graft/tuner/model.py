@@ -14,7 +14,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
-from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout, num_base_parameters
+from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout, num_base_parameters, peft_free_name
 from ..regions import Region
 from ..scores.movement import saved_whole_module
 from ..sharding import is_partitioned, refuse_deepspeed
@@ -89,6 +89,7 @@ class GraftModel(BaseTuner):
         try:
             _check_no_graft_layer_stored_whole(model, config, adapter_name)
             refuse_deepspeed(f"Creating or loading graft adapter {adapter_name!r}", model, running=False)
+            _check_modules_to_save_not_nested(model, config, adapter_name)
         except ValueError:
             del self.peft_config[adapter_name]
             raise
@@ -172,6 +173,14 @@ class GraftModel(BaseTuner):
         config._finetuned = config._given_region = config._region_scores = None  # never needed again
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["graft", "skill-localization"])
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``.half()``, ``.to(dtype)``...), refused before any tensor changes when it casts a
+        grafted value beyond the new dtype's range (:meth:`GraftLayer.check_cast_fits`, naming the tensor)."""
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, GraftLayer):
+                layer.check_cast_fits(fn, f"{name}.")
+        return super()._apply(fn, recurse)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -696,6 +705,40 @@ def _check_no_graft_layer_stored_whole(model: nn.Module, config: GraftConfig, ad
             f"either stored whole or grafted. Make every graft with {whole!r} in its modules_to_save (then none "
             "grafts entries there), or load these grafts onto separate copies of the base model."
         )
+
+
+def _check_modules_to_save_not_nested(model: nn.Module, config: GraftConfig, adapter_name: str) -> None:
+    """Refuse ``modules_to_save`` entries that resolve to nested modules (``["pooler", "pooler.dense"]``), also with a
+    module another adapter stores whole: peft would wrap the inner module inside the outer one's wrapper and save it
+    under names its loader cannot find, so the save would write a graft that ``from_pretrained`` refuses."""
+    entries = list(config.modules_to_save or ())
+    if not entries:
+        return
+    names = {peft_free_name(name) for name, _ in model.named_modules() if name}
+    chosen = {name: next(e for e in entries if name.endswith(e)) for name in names if any(map(name.endswith, entries))}
+    others = {
+        peft_free_name(name): sorted(set(module._adapters) - {adapter_name})
+        for name, module in model.named_modules()
+        if isinstance(module, AuxiliaryTrainingWrapper) and set(module._adapters) - {adapter_name}
+    }
+    added = " (peft adds 'classifier' and 'score' for task_type='SEQ_CLS')" if config.task_type else ""
+    for inner in sorted(chosen):
+        outer = next((o for o in sorted(chosen) if inner.startswith(f"{o}.")), None)
+        if outer is not None:
+            raise ValueError(
+                f"Adapter {adapter_name!r}: modules_to_save={entries}{added} names module {inner!r} (entry "
+                f"{chosen[inner]!r}) inside module {outer!r} (entry {chosen[outer]!r}), which is stored whole with "
+                f"everything in it: peft would store {inner!r} twice, and the save would not load. List only "
+                f"{chosen[outer]!r}."
+            )
+        other = next((o for o in sorted(others) if inner.startswith(f"{o}.") or o.startswith(f"{inner}.")), None)
+        if other is not None:
+            raise ValueError(
+                f"Adapter {adapter_name!r}: modules_to_save={entries}{added} stores module {inner!r} whole, and "
+                f"adapter(s) {others[other]} of this model store {other!r} whole: one lies inside the other, and peft "
+                "cannot store nested modules whole (the save would not load). Store the same module whole in every "
+                f"graft (e.g. modules_to_save=[{other!r}]), or use separate copies of the base model."
+            )
 
 
 def check_adapter_name(name: object) -> None:

@@ -14,6 +14,11 @@ too: a malformed ``adapter_config.json`` or an unknown ``peft_type`` is a ``Valu
   by SIGKILL) is finished or undone by the next save or load of that folder (:func:`recover_interrupted_save`), which
   also removes the staging folders of dead processes: the folder holds the previous adapter or the new one, never a
   mix.
+- Every file a load reads is checked first (:mod:`peft_graft._files`): a config or weights file that is a folder, a
+  device or a FIFO (or a link to one) is a ``ValueError`` naming it, never read without end or waited on.
+- A saved config records a local base or fine-tuned model (``base_model_name_or_path``,
+  ``finetuned_model_name_or_path``) relative to the adapter's folder, and reading it resolves the path again: no
+  machine's path is saved (:func:`relative_reference`).
 - The config of a saved graft records the sha256 of its weights file (``weights_checksum``); loading a local graft
   whose file does not match it is a ``ValueError``.
 - A failed ``load_adapter`` of a graft (a truncated or corrupt file, entries that do not fit the model, the wrong
@@ -47,6 +52,7 @@ import safetensors.torch
 import torch
 from filelock import FileLock
 from huggingface_hub import HfApi
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from peft import PeftConfig, PeftModel
 from peft.utils.other import AuxiliaryTrainingWrapper
 from safetensors import SafetensorError
@@ -60,8 +66,10 @@ from .._checksum import (
     record_weights_checksum,
     verify_weights_checksum,
 )
+from .._files import check_file, is_local_path, open_file, read_file, read_json
+from ..parameter_layout import PEFT_PREFIX
 from ..sharding import refuse_sharded
-from .card import card_location, write_graft_card
+from .card import card_location, pushing, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
 from .layer import GraftLayer, graft_state_modules
@@ -103,6 +111,9 @@ def wrap_save(original):
                     write(os.path.join(staging, rel))
                 for root, _, names in os.walk(staging):
                     if CONFIG_NAME in names:
+                        adapter_folder = os.path.join(save_directory, os.path.relpath(root, staging))
+                        # a push's folder is a temporary one: a local path relative to it would mean nothing
+                        record_paths_relative(os.path.join(root, CONFIG_NAME), None if pushing() else adapter_folder)
                         record_weights_checksum(root)
                 selected = kwargs.get("selected_adapters", args[1] if len(args) > 1 else None)
                 write_graft_card(self, staging, given_directory, selected)
@@ -150,8 +161,7 @@ def _check_before_replacing(model: PeftModel, staging: str, destination: str) ->
         weights = os.path.join(root, WEIGHTS_NAME)
         if CONFIG_NAME not in names or not os.path.isfile(weights):
             continue
-        with open(os.path.join(root, CONFIG_NAME), encoding="utf-8") as file:
-            raw = json.load(file)
+        raw = read_json(os.path.join(root, CONFIG_NAME), "adapter config")
         if not str(raw.get("peft_type", "")).lower().endswith(GRAFT_NAME):  # another method's adapter
             continue
         rel = os.path.relpath(root, staging)
@@ -168,6 +178,38 @@ def _check_before_replacing(model: PeftModel, staging: str, destination: str) ->
                 f"loader refuses ({error}). Nothing was written; the folder holds what it held before. Fix: "
                 f"{_save_fix(raw, state_dict)}."
             ) from error
+        previous = os.path.join(os.path.abspath(destination), rel, WEIGHTS_NAME)
+        _refuse_heads_losing_precision(state_dict, previous, adapter_name, destination)
+
+
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _refuse_heads_losing_precision(
+    state_dict: dict[str, torch.Tensor], previous: str, adapter_name: str, destination: str
+) -> None:
+    """A save must not replace a head stored whole (``modules_to_save``) that the folder holds in a higher precision
+    with a lower one (after ``model.to(torch.bfloat16)`` the fp32 head would be gone): a ``ValueError`` naming the
+    head and how to save it elsewhere. Graft values are fp32 whatever the cast (``GraftLayer._apply``)."""
+    if not os.path.isfile(previous):
+        return
+    try:
+        with safetensors.safe_open(check_file(previous, "adapter weights file"), "pt") as handle:
+            saved = {key: handle.get_slice(key).get_dtype() for key in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError):
+        return  # the folder holds no readable graft: nothing to lose
+    for key, tensor in sorted(state_dict.items()):
+        before = SAFETENSORS_FLOATS.get(saved.get(key, ""))
+        if f".{GRAFT_PREFIX}" in key or before is None or not tensor.is_floating_point():
+            continue
+        if torch.finfo(tensor.dtype).eps > torch.finfo(before).eps:
+            raise ValueError(
+                f"save_pretrained({destination!r}) refused: adapter {adapter_name!r} would replace its head tensor "
+                f"{key.removeprefix(PEFT_PREFIX)!r} (stored whole, modules_to_save), saved there as {before}, with "
+                f"{tensor.dtype} (the model was cast, e.g. model.to({tensor.dtype})): the {before} values would be "
+                "lost. Nothing was written; the folder holds what it held before. Save the cast model into another "
+                "folder, or delete this folder first to replace it knowingly."
+            )
 
 
 def _save_fix(raw_config: dict, state_dict: dict[str, torch.Tensor]) -> str:
@@ -188,6 +230,50 @@ def _save_fix(raw_config: dict, state_dict: dict[str, torch.Tensor]) -> str:
     return "the graft in memory is corrupt: rebuild or reload it before saving"
 
 
+PATH_FIELDS = ("base_model_name_or_path", "finetuned_model_name_or_path")
+"""The fields of a graft's config that may name a local folder: saved relative to the adapter's folder."""
+
+
+def relative_reference(name: object, folder: str | None) -> object:
+    """``name`` (a recorded base or fine-tuned model) as a saved config records it: a local path relative to
+    ``folder`` (the adapter's folder; ``./x`` or ``../x``), so that no machine's path is saved and the graft and its
+    base can move together; a Hub id (or nothing) as it is."""
+    if not isinstance(name, str) or not is_local_path(name):
+        return name
+    if folder is None:
+        return None
+    relative = os.path.relpath(os.path.abspath(name), os.path.abspath(folder))
+    return relative if relative.split(os.sep)[0] == os.pardir else os.path.join(os.curdir, relative)
+
+
+def resolved_reference(name: object, folder: str) -> object:
+    """``name`` as a config read from ``folder`` records it: one saved relative to the folder
+    (:func:`relative_reference`) as the path it names there, when that folder exists; anything else as it is."""
+    if isinstance(name, str) and _is_relative(name):
+        resolved = os.path.normpath(os.path.join(os.path.abspath(folder), name))
+        if os.path.isdir(resolved):
+            return resolved
+    return name
+
+
+def _is_relative(name: str) -> bool:
+    """Whether ``name`` is in the form :func:`relative_reference` saves (``./x``, ``../x``)."""
+    return name.replace("\\", "/").split("/")[0] in (os.curdir, os.pardir)
+
+
+def record_paths_relative(config_path: str, folder: str | None) -> None:
+    """Rewrite a staged graft config so that its local paths (:data:`PATH_FIELDS`) are relative to ``folder``, the
+    adapter's destination (see :func:`relative_reference`); ``None`` (a push to the Hub): not recorded at all (the
+    card names the folder)."""
+    config = read_json(config_path, "adapter config")
+    if not isinstance(config, dict) or str(config.get("peft_type", "")).lower() != GRAFT_NAME:
+        return
+    relative = {field: relative_reference(config.get(field), folder) for field in PATH_FIELDS if config.get(field)}
+    if any(config[field] != value for field, value in relative.items()):
+        with open(config_path, "w", encoding="utf-8") as handle:
+            json.dump({**config, **relative}, handle, indent=2, sort_keys=True)
+
+
 def folder_lock(destination: str) -> FileLock:
     """The advisory lock of a save folder: the file ``.<name>.lock`` beside it (as ``huggingface_hub`` locks its
     downloads). Saves hold it from start to end, so that two processes (or threads) saving into one folder take turns
@@ -200,7 +286,7 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
     """Before loading from a local folder: finish or undo a killed save, refuse pickled graft weights, graft tensors
     under another method's ``peft_type`` and missing integrity fields, verify the weights checksum. ``config``: the
     graft config the loader was given, if any."""
-    refuse_unresolvable_links(model_id, subfolder)
+    check_local_adapter_paths(model_id, subfolder)
     if isinstance(model_id, (str, os.PathLike)) and os.path.isdir(model_id):
         recover_interrupted_save(os.path.abspath(os.fspath(model_id)))
         folder = os.path.join(os.fspath(model_id), subfolder or "")
@@ -210,9 +296,12 @@ def _check_local_folder(model_id, subfolder: str | None, config=None) -> None:
         verify_weights_checksum(folder)
 
 
-def refuse_unresolvable_links(model_id, subfolder: str | None = None) -> None:
-    """A local adapter path (the folder, its config or weights) that exists as a symbolic link but cannot be resolved
-    (a loop, a missing target) is a ``ValueError`` naming it: the loaders would take the folder for a Hub id."""
+def check_local_adapter_paths(model_id, subfolder: str | None = None) -> None:
+    """Check the local adapter paths before any loader reads them: a path (the folder, its config or weights) that
+    exists as a symbolic link but cannot be resolved (a loop, a missing target) is a ``ValueError`` naming it (the
+    loaders would take the folder for a Hub id), and so is a config or weights file that is not a regular file once
+    links are resolved (a folder, a device such as ``/dev/zero``, a FIFO: :func:`~peft_graft._files.check_file`),
+    which a loader would read without end, wait on forever, or report without its path."""
     if not isinstance(model_id, (str, os.PathLike)):
         return
     folder = os.path.join(os.fspath(model_id), subfolder or "")
@@ -223,6 +312,10 @@ def refuse_unresolvable_links(model_id, subfolder: str | None = None) -> None:
                 "adapter cannot be read from there (nor is it a Hub id): fix or replace the link, or give the folder "
                 "that holds the adapter."
             )
+    if os.path.isdir(folder):
+        check_file(os.path.join(folder, CONFIG_NAME), "adapter config", missing_ok=True)
+        for name in (WEIGHTS_NAME, "adapter_model.bin"):
+            check_file(os.path.join(folder, name), "adapter weights file", missing_ok=True)
 
 
 def is_graft_config(config) -> bool:
@@ -251,6 +344,7 @@ def wrap_load(original):
         # A graft model's forwards in other threads wait for the load; one from a hook is refused.
         with state_change("load_adapter()") if is_graft_model(self) else nullcontext():
             _check_local_folder(model_id, kwargs.get("subfolder"), self.peft_config.get(adapter_name))
+            _refuse_taken_name(self, model_id, adapter_name, kwargs.get("subfolder"))
             out = _load_checked(self, model_id, adapter_name, *args, **kwargs)
             config = self.peft_config.get(adapter_name)
             if is_graft_config(config) and config.inference_mode and hasattr(self.base_model, "pack_adapter"):
@@ -278,6 +372,31 @@ def wrap_load(original):
     return load_adapter
 
 
+def _refuse_taken_name(model: PeftModel, model_id, adapter_name: str, subfolder: str | None) -> None:
+    """Loading under the name of a graft the model holds loads into that adapter (peft keeps its config): new values
+    of the same graft (the same entries per module) are loaded; another graft is a ``ValueError`` naming the adapter,
+    before anything changes (it was a misleading error about the file's ``grafted_modules``)."""
+    existing = model.peft_config.get(adapter_name)
+    if not is_graft_config(existing) or not isinstance(model_id, (str, os.PathLike)):
+        return
+    try:
+        saved = read_json(os.path.join(os.fspath(model_id), subfolder or "", CONFIG_NAME), "adapter config")
+    except (OSError, ValueError):
+        return  # not a local adapter folder (a Hub id): peft's checks of the file report it
+    if not isinstance(saved, dict):
+        return
+    if saved.get("grafted_modules") != existing.grafted_modules or (saved.get("exact_entries") or {}) != (
+        existing.exact_entries or {}
+    ):
+        raise ValueError(
+            f"load_adapter({os.fspath(model_id)!r}, adapter_name={adapter_name!r}): this model already has an adapter "
+            f"named {adapter_name!r} (adapters: {sorted(model.peft_config)}), and {os.fspath(model_id)!r} holds "
+            "another graft. Pick another adapter_name, or delete that adapter first (model.delete_adapter("
+            f"{adapter_name!r}); the only adapter cannot be deleted: load the new one under another name, then delete "
+            "the old one). Nothing was loaded."
+        )
+
+
 def wrap_transformers_load(original):
     """transformers' ``PreTrainedModel.load_adapter`` (also behind ``from_pretrained`` of an adapter folder) copies
     the file into the layers itself: the same checks as peft's path, and the same rollback."""
@@ -297,7 +416,7 @@ def wrap_transformers_load(original):
             """transformers casts what it copies: check the tensors as stored (dtypes included) where at hand."""
             state_dict = adapter_state_dict
             if state_dict is None and peft_model_id is not None and os.path.isfile(weights):
-                state_dict = safetensors.torch.load_file(weights)
+                state_dict = safetensors.torch.load(read_file(weights, "adapter weights file"))
             if state_dict is None:
                 check_loaded_graft(self, name)
             else:
@@ -374,8 +493,7 @@ GRAFT_ONLY_FIELDS = (
 def _refuse_graft_tensors_of_another_method(folder: str) -> None:
     """A graft folder whose ``peft_type`` was changed to another method's would load as that method's adapter."""
     try:
-        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-            config = json.load(handle)
+        config = read_json(os.path.join(folder, CONFIG_NAME), "adapter config")
     except (OSError, ValueError):
         return
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
@@ -384,7 +502,7 @@ def _refuse_graft_tensors_of_another_method(folder: str) -> None:
     if peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING or peft_type.lower() == GRAFT_NAME:
         return  # a graft, or a peft_type the config reader refuses
     weights, holds_graft = os.path.join(folder, WEIGHTS_NAME), False
-    if os.path.isfile(weights):
+    if check_file(weights, "adapter weights file", missing_ok=True):
         try:
             with safetensors.safe_open(weights, "pt") as handle:
                 holds_graft = any(f".{GRAFT_PREFIX}indices" in key for key in handle.keys())  # noqa: SIM118
@@ -401,8 +519,7 @@ def _refuse_graft_tensors_of_another_method(folder: str) -> None:
 def _refuse_pickled_graft(folder: str) -> None:
     """A local graft folder must hold safetensors weights: peft would unpickle an ``adapter_model.bin`` instead."""
     try:
-        with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as handle:
-            config = json.load(handle)
+        config = read_json(os.path.join(folder, CONFIG_NAME), "adapter config")
     except (OSError, ValueError):
         return  # not a readable adapter folder: peft reports it
     peft_type = str(config.get("peft_type", "")) if isinstance(config, dict) else ""
@@ -440,19 +557,19 @@ def wrap_safe_load_file(original):
     read whole and parsed by ``safetensors.torch.load``, which gives the same tensors, because ``load_file`` (through
     ``safe_open``, safetensors 0.8) keeps about two small Python objects per tensor for good: about 11 KB per load of
     a graft of 0.01% of RoBERTa-base, so that a thousand loads (issue 28) would leak 11 MB. Other files and devices go
-    to ``load_file``."""
+    to ``load_file``. Whatever the size, the file is opened by :func:`~peft_graft._files.open_file` first: a path
+    that is not a regular file (a folder, ``/dev/zero``, a FIFO) is a ``ValueError`` naming it, never read without
+    end or waited on."""
 
     @functools.wraps(original)
     def safe_load_file(filename, device="cpu", *args, **kwargs):
-        if (
-            not args
-            and not kwargs
-            and str(device) == "cpu"
-            and isinstance(filename, (str, os.PathLike))
-            and os.path.getsize(filename) <= SMALL_WEIGHTS_FILE
-        ):
-            with open(filename, "rb") as handle:
-                return safetensors.torch.load(handle.read())
+        if not isinstance(filename, (str, os.PathLike)):
+            return original(filename, device, *args, **kwargs)
+        with open_file(filename, "adapter weights file") as (handle, size):  # a regular file, or a ValueError
+            if not args and not kwargs and str(device) == "cpu" and size <= SMALL_WEIGHTS_FILE:
+                data = handle.read(size + 1)
+                if len(data) == size:
+                    return safetensors.torch.load(data)
         return original(filename, device, *args, **kwargs)
 
     return safe_load_file
@@ -478,6 +595,7 @@ def wrap_config_reader(original):
 
     @functools.wraps(original)
     def from_json_file(cls, path_json_file, **kwargs):
+        check_file(path_json_file, "adapter config")  # a folder, device or FIFO: refused, not read or waited on
         try:
             loaded = original(cls, path_json_file, **kwargs)
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -501,6 +619,10 @@ def wrap_config_reader(original):
             )
         if isinstance(peft_type, str) and peft_type.lower() == GRAFT_NAME:
             check_format_version(path_json_file, loaded.get(VERSION_FIELD))
+            folder = os.path.dirname(os.fspath(path_json_file))
+            for field in PATH_FIELDS:  # saved relative to the adapter's folder
+                if field in loaded:
+                    loaded[field] = resolved_reference(loaded[field], folder)
         graft_fields = [name for name in GRAFT_ONLY_FIELDS if loaded.get(name)]
         if peft_type is not None and graft_fields and peft_type.lower() != GRAFT_NAME:
             raise ValueError(
@@ -518,7 +640,7 @@ def wrap_peft_type_reader(original):
 
     @functools.wraps(original)
     def _get_peft_type(cls, model_id, **hf_hub_download_kwargs):
-        refuse_unresolvable_links(model_id, hf_hub_download_kwargs.get("subfolder"))
+        check_local_adapter_paths(model_id, hf_hub_download_kwargs.get("subfolder"))
         try:
             return original(cls, model_id, **hf_hub_download_kwargs)
         except KeyError as error:
@@ -536,7 +658,7 @@ def wrap_auto_load(original):
 
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        refuse_unresolvable_links(pretrained_model_name_or_path, kwargs.get("subfolder"))
+        check_local_adapter_paths(pretrained_model_name_or_path, kwargs.get("subfolder"))
         bound = inspect.signature(original).bind(cls, pretrained_model_name_or_path, *args, **kwargs).arguments
         config = PeftConfig.from_pretrained(  # as peft reads it (it ignores ``config`` for the base model)
             pretrained_model_name_or_path, revision=bound.get("revision"), **bound.get("kwargs", {})
@@ -546,13 +668,44 @@ def wrap_auto_load(original):
             raise ValueError(
                 f"The graft {where!r} records no base model (base_model_name_or_path is "
                 f"{config.base_model_name_or_path!r} in its {CONFIG_NAME}: it was made on a model not loaded by "
-                f"name), so {cls.__name__} cannot load its base. Load the base model yourself and the graft onto it: "
-                f"PeftModel.from_pretrained(base, {where!r}); or record the base's Hub id or folder in that field "
+                f"name, or pushed from a local folder), so {cls.__name__} cannot load its base. Load the base model "
+                f"yourself and the graft onto it: PeftModel.from_pretrained(base, {where!r}); or record the base's "
+                "Hub id or folder in that field "
                 "(set model.peft_config[adapter_name].base_model_name_or_path before saving)."
             )
+        if is_graft_config(config):
+            base, subfolder = config.base_model_name_or_path, kwargs.get("subfolder")
+            _check_base_reachable(base, pretrained_model_name_or_path, subfolder, cls.__name__)
         return original(cls, pretrained_model_name_or_path, *args, **kwargs)
 
     return from_pretrained
+
+
+def _check_base_reachable(base: str, graft, subfolder: str | None, loader: str) -> None:
+    """A recorded base that names a local folder which is not there (nor could be a Hub id) is a ``ValueError`` naming
+    it and how to load the graft onto its base, instead of the Hub's "Repo id must be in the form ..."."""
+    if os.path.isdir(base) or (not is_local_path(base) and _could_be_hub_id(base)):
+        return
+    where = os.fspath(graft)
+    relative = ""
+    if _is_relative(base) and os.path.isdir(os.path.join(where, subfolder or "")):
+        looked = os.path.normpath(os.path.join(os.path.abspath(where), subfolder or "", base))
+        relative = f", relative to the graft's folder: {looked!r}"
+    raise ValueError(
+        f"The graft {where!r} records its base model as the local folder {base!r} (base_model_name_or_path in its "
+        f"{CONFIG_NAME}{relative}), which does not exist here, so {loader} cannot load it. Load the base model "
+        f"yourself and the graft onto it: PeftModel.from_pretrained(base, {where!r}); or put the base model's folder "
+        "there, or record its Hub id in that field (set model.peft_config[adapter_name].base_model_name_or_path "
+        "before saving)."
+    )
+
+
+def _could_be_hub_id(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def wrap_push(original):
