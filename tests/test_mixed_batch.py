@@ -713,6 +713,51 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     assert {id(plan) for plan in built[after_scale:]} <= {id(plan) for plan in layer._in_place_plans.values()}
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_sparse_delta_mode_serves_graft_values_written_through_data(packed, monkeypatch, tmp_path):
+    """A graft's values written through ``.data`` (no version counter moves) are served at once by the
+    "sparse_delta" mode, as by the exact mode and the graft alone: its deltas there are built again, not the old ones
+    served (unpacked and packed grafts); later batches reuse them."""
+    from peft import PeftModel
+
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    pre, model = grafts("bert_cls")
+    if packed:
+        model.save_pretrained(tmp_path)
+        model = PeftModel.from_pretrained(clone_model(pre), tmp_path / "trec", adapter_name="trec")
+        model.load_adapter(tmp_path / "news", adapter_name="news")
+        model.load_adapter(tmp_path / "sst", adapter_name="sst")
+        model.eval()
+    inputs = batch()
+    model.set_mixed_batch_mode("sparse_delta")
+    with torch.no_grad():
+        model(**inputs, adapter_names=NAMES)  # every graft's deltas built
+    stored = {}  # a packed graft's values: one store for every layer
+    for layer in model.base_model.graft_layers().values():
+        values = layer.packed["trec"].tensors["values"] if packed else layer.graft_values.get("trec")
+        if values is not None:
+            stored[values.data_ptr()] = values
+    assert len(stored) == (1 if packed else len(model.base_model.graft_layers()))
+    for values in stored.values():
+        values.data.mul_(-3.0)  # through .data: no version counter moves
+    model.set_mixed_batch_mode("exact")
+    with torch.no_grad():
+        exact = model(**inputs, adapter_names=NAMES).logits
+    model.set_mixed_batch_mode("sparse_delta")
+    with torch.no_grad():
+        fast = model(**inputs, adapter_names=NAMES).logits
+    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
+    rebuilt = []
+    original = sparse_delta.graft_values
+    monkeypatch.setattr(sparse_delta, "graft_values", lambda plan, *a: rebuilt.append(plan) or original(plan, *a))
+    with torch.no_grad():
+        again = model(**inputs, adapter_names=NAMES).logits
+    assert not rebuilt and torch.equal(again, fast)
+    check_per_example(model, inputs, NAMES, exact)  # the exact mode served the new values (this unpacks the grafts)
+
+
 def test_sparse_delta_mode_builds_once_after_a_nan_is_written_under_an_entry(monkeypatch):
     """A base value under an entry changed to NaN (through ``.data``) makes the layer's values be built again once;
     later batches reuse them (a NaN compared unequal to itself, and every batch built them again)."""

@@ -21,15 +21,16 @@ Other layers keep the exact per-group path. Each graft's values on a layer are b
 in-place plan (so for as long as the plan is current, and freed with it). A layer's grafts are joined into padded
 tables, one row per graft (:class:`Joined`), kept while batches bring the same grafts; before the forward
 (:func:`prepare`) a batch picks its examples' rows, a few ``index_select`` calls per layer, and the base values under
-the entries are compared for every layer at once: on a GPU each kernel launch costs host time, and each read of a
-result makes the host wait for the queue.
+the entries, and the grafts' own values, are compared bit for bit with those the tables were built from, for every
+layer at once (a write through ``.data`` moves no version counter): on a GPU each kernel launch costs host time, and
+each read of a result makes the host wait for the queue.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -137,6 +138,9 @@ class Joined:
     counts: dict[str, list[int]]
     tables: dict[str, torch.Tensor]
     grafts: int
+    # the grafts' own values the joined values were built from (the in-place plans' views of the graft tensors), and
+    # a copy of them then, both per (device, dtype): compared on every batch (:func:`_changed_layers`)
+    sources: dict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -221,17 +225,22 @@ def _padding(lengths: list[int], table: torch.Tensor) -> torch.Tensor:
 
 def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
     """Per ``(layer, joined)``, whether a base value under an entry is no longer the one the values were taken against
-    (they move with it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
-    counter, so the values are compared, bit for bit: a NaN under an entry equals itself, where compared as floats it
-    differed on every batch and every batch built the layer's values again). One gather per tensor, then one
-    comparison and one read per device and dtype (on a GPU each read waits for its queue); per layer only where some
-    differ."""
+    (they move with it: by rounding, and wholly at an entry stored exactly), or a graft's own value there is no longer
+    the one they were built from. A write through ``.data`` moves no version counter, so the values are compared, bit
+    for bit: a NaN under an entry equals itself, where compared as floats it differed on every batch and every batch
+    built the layer's values again. One gather per base tensor, then one comparison and one read per device and dtype
+    (on a GPU each read waits for its queue); per layer only where some differ."""
     parts: dict[tuple, tuple[list, list, list]] = {}  # (device, dtype) -> (values now, values then, layer numbers)
     for number, (layer, joined) in enumerate(layers):
         for attr, at in joined.at.items():
             then = joined.original[attr]
             now_, then_, numbers = parts.setdefault((then.device, then.dtype), ([], [], []))
             now_.append(layer.base_layer._parameters[attr].data.take(at))
+            then_.append(then)
+            numbers.append(number)
+        for key, (live, then) in joined.sources.items():
+            now_, then_, numbers = parts.setdefault(key, ([], [], []))
+            now_.extend(live)
             then_.append(then)
             numbers.append(number)
     changed = [False] * len(layers)
@@ -467,18 +476,41 @@ def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool
         return None
     for plan in plans:
         if rebuild or plan.sparse_delta is None or plan.sparse_delta[0] != kind:
+            sources = _graft_sources(plan)  # before the values: a later write then shows as a change
             values = graft_values(plan, kind, parameters[0].device)
             own = all(parameters_ is layer.base_layer._parameters for parameters_, *_ in plan.writes)
-            plan.sparse_delta = (kind, values if own else None)
-    values = [plan.sparse_delta[1] for plan in plans]
-    if any(value is None for value in values) or not any(values):
+            plan.sparse_delta = (kind, (values, sources) if own and values is not None else None)
+    if any(plan.sparse_delta[1] is None for plan in plans):
+        return None
+    values = [plan.sparse_delta[1][0] for plan in plans]
+    if not any(values):
         return None
     cached = layer.__dict__.get(_JOINED, ((), None))  # the last batch's, while its grafts' values are the same objects
     if len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values, strict=True)):
         return cached[1]
     joined = _joined(values, kind)
+    for key, live, then in _by_device_and_dtype([pair for plan in plans for pair in plan.sparse_delta[1][1]]):
+        joined.sources[key] = (live, torch.cat(then))
     layer.__dict__[_JOINED] = (values, joined)
     return joined
+
+
+def _graft_sources(plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The graft's own values that its one-graft in-place ``plan`` writes (views of the graft tensors: the deltas and
+    the values stored exactly), each with a copy of it now."""
+    return [
+        (t, t.detach().clone()) for *_, entries, _, _ in plan.writes for t in (entries[1], entries[2][1]) if t.numel()
+    ]
+
+
+def _by_device_and_dtype(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[tuple, list, list]]:
+    """``pairs`` grouped by the device and dtype of their first tensor: ``(key, first tensors, second tensors)``."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for first, second in pairs:
+        group = groups.setdefault((first.device, first.dtype), ([], []))
+        group[0].append(first)
+        group[1].append(second)
+    return [(key, *group) for key, group in groups.items()]
 
 
 _JOINED = "_sparse_delta_joined"
