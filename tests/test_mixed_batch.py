@@ -261,6 +261,49 @@ def test_argument_errors_match_peft():
         assert torch.equal(model(**inputs, adapter_names=NAMES).logits, model(**inputs, adapter_names=NAMES).logits)
 
 
+class TwoInputs(nn.Module):
+    """A head that takes two tensors (``kind="two"``) or returns a tuple (``kind="tuple"``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.proj = kind, nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        if self.kind == "two":
+            return self.proj(x) * y
+        return self.proj(x), x
+
+
+class WithHead(nn.Module):
+    def __init__(self, kind: str = "two"):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, 8), TwoInputs(kind)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.head.kind == "two":
+            return self.head(h, y=torch.ones_like(h[..., :3]))
+        return self.head(h)[0]
+
+
+@pytest.mark.parametrize(("kind", "why"), [("two", "takes more than one tensor"), ("tuple", "returns a tuple")])
+def test_a_head_stored_whole_taking_two_tensors_or_returning_a_tuple_is_a_clear_type_error(kind, why):
+    """As peft refuses modules it cannot split by example: a TypeError naming the module and what is supported, also
+    for a batch of one graft; the model then serves on."""
+    torch.manual_seed(0)
+    pre = WithHead(kind)
+    copy = WithHead(kind)
+    copy.load_state_dict(pre.state_dict())
+    config = GraftConfig(finetuned=finetune_like(pre), sparsity=0.2, modules_to_save=["head"])
+    model = get_peft_model(copy, config, "sst").eval()
+    x = input_ids(3, 5, seed=2)
+    for names in (["sst", "__base__", "sst"], ["sst"] * 3):
+        with torch.no_grad(), pytest.raises(TypeError, match=rf"modules_to_save.*one tensor.*TwoInputs {why}"):
+            model(x, adapter_names=names)
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))
+
+
 def test_a_region_still_learned_is_refused_and_base_is_a_reserved_name():
     pre, finetuned, task_type = make_pair("bert_cls")
     config = GraftConfig(finetuned=finetuned, sparsity=0.05, learn_region=True, task_type=task_type)

@@ -283,16 +283,29 @@ def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
         holders = frozenset(name for name in batch.positions if name in wrapper.modules_to_save)
         if not holders:
             return wrapper.original_module(*args, **kwargs)
+        what = type(wrapper.original_module).__name__
+        if not args or any(torch.is_tensor(value) for value in (*args[1:], *kwargs.values())):
+            _refuse_head(what, "takes its input as a keyword" if not args else "takes more than one tensor")
 
         def run(name: str, inputs: torch.Tensor) -> torch.Tensor:
             module = wrapper.modules_to_save[name] if name in holders else wrapper.original_module
-            return module(inputs, *args[1:], **kwargs)
+            output = module(inputs, *args[1:], **kwargs)
+            if not torch.is_tensor(output):
+                _refuse_head(what, f"returns a {type(output).__name__}")
+            return output
 
-        return _combine(
-            batch.groups(args[0].device), run, args[0], len(batch.names), type(wrapper.original_module).__name__
-        )
+        return _combine(batch.groups(args[0].device), run, args[0], len(batch.names), what)
 
     return forward
+
+
+def _refuse_head(what: str, why: str) -> None:
+    raise TypeError(
+        f"A module stored whole (modules_to_save) serves mixed-graft batches (adapter_names) only when it takes one "
+        f"tensor with a batch dimension, as its first argument, and returns one tensor; this {what} {why}. Serve "
+        "these grafts one at a time (set_adapter), or store only tensors of the module (a graft of its weights) "
+        "rather than the module whole."
+    )
 
 
 def _source_layers(layer: nn.Module) -> list[nn.Module]:
