@@ -225,6 +225,7 @@ def test_the_sparse_delta_mode_on_the_gpu_follows_the_exact_mode_and_waits_for_t
         sparse_delta.LayerDelta, "forward", lambda self, base, x: added.append(1) or original(self, base, x)
     )
     outputs = {}
+    model.base_model.set_mixed_batch_mode("exact")
     with torch.inference_mode():
         exact = model(input_ids=ids, adapter_names=names).logits
         model.base_model.set_adapter("a", inference_mode=True)

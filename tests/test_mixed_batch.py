@@ -2,13 +2,15 @@
 example gets what a forward with only its graft active gives, on every layer type and head, in ``generate``, with
 peft's argument checks, and with the single-graft path's guarantees (threads, nested forwards, errors).
 
-Exactness: a graft layer runs its base layer once per group of examples with the group's graft written in place, so an
-example goes through the arithmetic of the single-graft forward on its group's rows: each graft layer's output rows are
-bit-exact against that layer run with only the group's graft active on exactly those rows
-(``test_each_graft_layer_is_bit_exact_per_group``). The whole model is bound, not bit-exact: the modules between graft
-layers (attention, activations) run on the whole batch, and CPU kernels round by tensor size (SiLU's vector body and
-scalar tail; matrix products' blocking), so against a forward of each graft's examples as their own batch, or of the
-whole batch with one graft, the logits agree to ``RTOL`` of their largest magnitude (measured: below 1e-7 relative)."""
+Exactness, in the exact mode (``set_mixed_batch_mode("exact")``): a graft layer runs its base layer once per group of
+examples with the group's graft written in place, so an example goes through the arithmetic of the single-graft forward
+on its group's rows: each graft layer's output rows are bit-exact against that layer run with only the group's graft
+active on exactly those rows (``test_each_graft_layer_is_bit_exact_per_group``). The default mode, ``"sparse_delta"``,
+stays within its stated rounding bounds per layer (``test_sparse_delta_mode_stays_within_its_rounding_bound``). The
+whole model is bound, not bit-exact: the modules between graft layers (attention, activations) run on the whole batch,
+and CPU kernels round by tensor size (SiLU's vector body and scalar tail; matrix products' blocking), so against a
+forward of each graft's examples as their own batch, or of the whole batch with one graft, the logits agree to ``RTOL``
+of their largest magnitude (measured: below 1e-7 relative)."""
 
 from __future__ import annotations
 
@@ -103,10 +105,11 @@ def test_each_example_gets_its_grafts_output(arch):
 
 
 def test_each_graft_layer_is_bit_exact_per_group(arch):
-    """Every graft layer's mixed output, per group, equals that layer run with only the group's graft active (adapters
-    disabled for "__base__") on the group's rows of the same input: the design's exactness, free of the rounding the
-    modules between graft layers add by batch size."""
+    """In the exact mode, every graft layer's mixed output, per group, equals that layer run with only the group's
+    graft active (adapters disabled for "__base__") on the group's rows of the same input: the mode's exactness, free
+    of the rounding the modules between graft layers add by batch size."""
     _, model = grafts(arch)
+    model.set_mixed_batch_mode("exact")
     inputs, seen = batch(), {}
     layers = model.base_model.graft_layers()
 
@@ -208,10 +211,12 @@ class Mixed(nn.Module):
 
 
 def test_plain_layer_types_and_autograd_on():
-    """Custom modules through peft's PeftModel; with autograd on in eval mode, the functional forward per group."""
+    """Custom modules through peft's PeftModel, in the exact mode: bit for bit each graft alone; with autograd on in
+    eval mode, the functional forward per group."""
     torch.manual_seed(0)
     pre = Mixed()
     model = get_peft_model(clone_plain(pre), GraftConfig(finetuned=finetune_like(pre), sparsity=0.2), "sst")
+    model.set_mixed_batch_mode("exact")
     model.add_adapter("trec", GraftConfig(finetuned=finetune_like(pre, seed=5), sparsity=0.2, region="random", seed=5))
     model.eval()
     x, names = input_ids(5, 7, seed=2), ["trec", "sst", "__base__", "trec", "sst"]
@@ -426,11 +431,11 @@ def _assert_layer_norm_within_bound(layer, x: torch.Tensor, output: torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypatch):
-    """With ``set_mixed_batch_mode("sparse_delta")`` each linear graft layer runs once per batch plus each group's
-    sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ from the exact
-    per-group path by no more than the documented rounding bound; LayerNorms, run once too, only at the features a
-    graft changes, within theirs; the other layers stay bit-exact; the logits stay within RTOL of the exact mode's;
-    the base is left untouched."""
+    """The default mode, ``"sparse_delta"`` (a model that never set one): each linear graft layer runs once per batch
+    plus each group's sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ
+    from the exact per-group path by no more than the documented rounding bound; LayerNorms, run once too, only at the
+    features a graft changes, within theirs; the other layers stay bit-exact; the logits stay within 10 RTOL of the
+    exact mode's (``set_mixed_batch_mode("exact")``, which never takes the delta path); the base is left untouched."""
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
@@ -447,10 +452,6 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
     _, model = grafts(arch)
     model.to(dtype)  # float64: the deltas too, or the bound (u of the output's dtype) fails
     inputs, before = batch(), state(model)
-    with torch.no_grad():
-        exact = model(**inputs, adapter_names=NAMES).logits
-    assert not taken  # the default mode never takes it
-    model.set_mixed_batch_mode("sparse_delta")
     layers = model.base_model.graft_layers()
     seen = {}
 
@@ -466,9 +467,14 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
     for handle in handles:
         handle.remove()
     assert unchanged(model, before)
-    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
     linear = {name for name, layer in layers.items() if sparse_delta.linear_shape(layer.base_layer) is not None}
     assert linear and {id(layers[name]) for name in linear} <= {id(layer) for layer in taken}
+    taken.clear()
+    model.set_mixed_batch_mode("exact")
+    with torch.no_grad():
+        exact = model(**inputs, adapter_names=NAMES).logits
+    assert not taken  # the exact mode never takes it
+    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
     for graft in dict.fromkeys(NAMES):
         rows = [i for i, n in enumerate(NAMES) if n == graft]
         for name, (x, output) in seen.items():
@@ -593,6 +599,7 @@ def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
     logits equal the exact mode's bit for bit. An unknown mode is a ValueError naming the modes."""
     _, model = grafts("bert_cls")
     inputs = batch()
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad():
         exact = model(**inputs, adapter_names=NAMES).logits
         model.set_mixed_batch_mode("sparse_delta")
@@ -620,6 +627,7 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
     inputs, before = batch(), state(model)
     kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0, output_logits=True,
                   return_dict_in_generate=True)  # fmt: skip
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad():
         exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
     assert not lengths
@@ -648,6 +656,7 @@ def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch
     _, model = grafts("bert_cls")
     inputs = batch()
     embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_()
+    model.set_mixed_batch_mode("exact")
     exact = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
     model.set_mixed_batch_mode("sparse_delta")
     fast = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
@@ -672,6 +681,7 @@ def test_sparse_delta_mode_takes_the_exact_path_under_autocast(monkeypatch):
     )
     _, model = grafts("bert_cls")
     inputs = batch()
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         exact = model(**inputs, adapter_names=NAMES).logits
         model.set_mixed_batch_mode("sparse_delta")
@@ -697,8 +707,11 @@ def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
     _, model = grafts("llama")
     inputs = batch()
     kwargs = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad():
         exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+    assert not lengths
+    with torch.no_grad():
         model.set_mixed_batch_mode("sparse_delta")
         fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)
     assert lengths and set(lengths) == {1}

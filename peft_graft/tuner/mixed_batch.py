@@ -1,25 +1,25 @@
 """Mixed-graft batches: ``peft_model(**inputs, adapter_names=[...])``, one graft per example, as peft's LoRA offers.
 
-Each graft layer splits the batch by the graft its examples ask for and runs its base layer once per group, with that
-graft's entries written into the base tensors for the group's call (the same :class:`InPlacePlan` as a single-graft
-forward, written and restored around each call); examples whose graft has no entries in the layer (and those asking
-for ``"__base__"``, the pre-trained model) share one call on the base tensors as they are. Each example therefore goes
-through exactly the arithmetic of a forward with only its graft active, on its group's rows; on the CPU a row of a
-matrix product does not depend on the other rows of its batch, so outputs are bit-exact (``tests/test_mixed_batch.py``).
-A head stored whole (``modules_to_save``, e.g. a classification head per task) runs the same way: each group through
-its graft's copy. The measurement behind this choice (rather than adding sparse deltas to the base output) is in
-BENCHMARKS.md, "Mixed-graft batches".
+Two modes (``model.set_mixed_batch_mode``). The default, ``"sparse_delta"``, runs a linear layer whose grafts are sparse
+enough there, an ``nn.LayerNorm``, and a layer whose grafted tensors are vectors (an RMSNorm's weight) once for the
+whole batch, plus each example's graft (sparse_delta.py: linear layers and LayerNorms within stated rounding bounds,
+vector layers bit-exact where checked); other layers, and every layer while autograd is on, take the exact path. It is
+the default because it is level with peft LoRA's mixed batches where the exact mode is not (docs/serving.md).
+
+The exact path, all of ``"exact"``: each graft layer splits the batch by the graft its examples ask for and runs its
+base layer once per group, with that graft's entries written into the base tensors for the group's call (the same
+:class:`InPlacePlan` as a single-graft forward, written and restored around each call); examples whose graft has no
+entries in the layer (and those asking for ``"__base__"``, the pre-trained model) share one call on the base tensors as
+they are. Each example therefore goes through exactly the arithmetic of a forward with only its graft active, on its
+group's rows; on the CPU a row of a matrix product does not depend on the other rows of its batch, so outputs are
+bit-exact (``tests/test_mixed_batch.py``). A head stored whole (``modules_to_save``, e.g. a classification head per
+task) runs this way in both modes: each group through its graft's copy.
 
 The state lives on the layers (``GraftLayer.mixed_batch``) and on the tuner for the duration of the forward or
 ``generate`` and is set and cleared under :data:`~peft_graft.tuner.in_place.WRITE_LOCK`, so a mixed batch keeps the
 single-graft path's guarantees: threads run one at a time, a forward nested inside it (a hook calling the model without
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
-
-``model.set_mixed_batch_mode("sparse_delta")`` runs a linear layer whose grafts are sparse enough there, an
-``nn.LayerNorm``, and a layer whose grafted tensors are vectors (an RMSNorm's weight), once for the whole batch instead
-(sparse_delta.py: linear layers and LayerNorms within stated rounding bounds, vector layers bit-exact where checked);
-other layers, and every layer while autograd is on, keep the exact path.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ from .sparse_delta import ExampleParameters, LayerDelta, LayerNormColumns, to_de
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
 
 MIXED_BATCH_MODES = ("exact", "sparse_delta")
-"""``"exact"``: per-group base calls, bit-exact per example (the default); ``"sparse_delta"``: see the module doc."""
+"""``"exact"``: per-group base calls, bit-exact per example; ``"sparse_delta"`` (the default): see the module doc."""
+
+DEFAULT_MIXED_BATCH_MODE = "sparse_delta"
+"""The mode of a model that never called ``set_mixed_batch_mode``: level with peft LoRA's mixed batches, where the
+exact mode runs every graft layer once per graft (docs/serving.md, "Which mode")."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -155,7 +159,7 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         encoder = _encoder(tuner.model)
         encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
         with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
-            delta = tuner.__dict__.get("mixed_batch_mode", "exact") == "sparse_delta"
+            delta = tuner.__dict__.get("mixed_batch_mode", DEFAULT_MIXED_BATCH_MODE) == "sparse_delta"
             batches = {id(names): MixedBatch(names, delta), id(decoder_names): MixedBatch(decoder_names, delta)}
             layers, wrappers = tuner._adapter_modules()
             try:

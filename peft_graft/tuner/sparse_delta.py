@@ -228,8 +228,8 @@ def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
     (they move with it: by rounding, and wholly at an entry stored exactly), or a graft's own value there is no longer
     the one they were built from. A write through ``.data`` moves no version counter, so the values are compared, bit
     for bit: a NaN under an entry equals itself, where compared as floats it differed on every batch and every batch
-    built the layer's values again. One gather per base tensor, then one comparison and one read per device and dtype
-    (on a GPU each read waits for its queue); per layer only where some differ."""
+    built the layer's values again. One gather per base tensor, one comparison per device and dtype, and one read per
+    device (on a GPU each read waits for its queue); per layer only where some differ."""
     parts: dict[tuple, tuple[list, list, list]] = {}  # (device, dtype) -> (values now, values then, layer numbers)
     for number, (layer, joined) in enumerate(layers):
         for attr, at in joined.at.items():
@@ -244,10 +244,14 @@ def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
             then_.append(then)
             numbers.append(number)
     changed = [False] * len(layers)
-    for now_, then_, numbers in parts.values():
-        differs = as_bits(torch.cat(now_)) != as_bits(torch.cat(then_))
-        if differs.any().item():
-            for number, part in zip(numbers, differs.split([t.numel() for t in then_]), strict=True):
+    compared = {key: as_bits(torch.cat(now_)) != as_bits(torch.cat(then_)) for key, (now_, then_, _) in parts.items()}
+    for device in {device for device, _ in compared}:  # one read per device, whatever the dtypes
+        keys = [key for key in compared if key[0] == device]
+        if not torch.stack([compared[key].any() for key in keys]).any().item():
+            continue
+        for key in keys:
+            _, then_, numbers = parts[key]
+            for number, part in zip(numbers, compared[key].split([t.numel() for t in then_]), strict=True):
                 changed[number] = changed[number] or bool(part.any())
     return changed
 
