@@ -345,10 +345,17 @@ def test_threads_mixing_batches_and_single_graft_forwards_get_their_outputs():
     assert unchanged(model, before)
 
 
-@pytest.mark.parametrize("nested_names", [None, ["news"] * len(NAMES)])
-def test_a_forward_nested_in_a_mixed_batch_sees_the_state_it_asks_for(nested_names):
+@pytest.mark.parametrize("deltas", [False, True])
+@pytest.mark.parametrize("nested_names", [None, ["news"] * len(NAMES), NAMES[::-1]])
+def test_a_forward_nested_in_a_mixed_batch_sees_the_state_it_asks_for(nested_names, deltas, monkeypatch):
     """A hook calling the model inside a mixed forward: without adapter_names it gets the model's ordinary output
-    (the active graft), with its own adapter_names those; and a mixed forward nested in an ordinary one."""
+    (the active graft), with its own adapter_names those (other grafts, or the same in another order: the nested batch
+    leaves the outer batch's buffers alone); and a mixed forward nested in an ordinary one. ``deltas``: every linear
+    layer on the delta path of the default mode."""
+    if deltas:
+        from peft_graft.tuner import sparse_delta
+
+        monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     _, model = grafts("gpt2")
     inputs, before = batch(), state(model)
     extra = {} if nested_names is None else {"adapter_names": nested_names}
@@ -652,7 +659,9 @@ def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch
         spied = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, spied=spied: added.append(1) or spied(*a))
     original = sparse_delta.prepare
-    monkeypatch.setattr(sparse_delta, "prepare", lambda layers: prepared.append(len(layers)) or original(layers))
+    monkeypatch.setattr(
+        sparse_delta, "prepare", lambda layers, **k: prepared.append(len(layers)) or original(layers, **k)
+    )
     _, model = grafts("bert_cls")
     inputs = batch()
     embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_()
@@ -812,6 +821,44 @@ def test_sparse_delta_mode_serves_graft_values_written_through_data(packed, monk
         again = model(**inputs, adapter_names=NAMES).logits
     assert not rebuilt and torch.equal(again, fast)
     check_per_example(model, inputs, NAMES, exact)  # the exact mode served the new values (this unpacks the grafts)
+
+
+@pytest.mark.parametrize("arch", ["bert_cls", "llama"])
+def test_sparse_delta_mode_reuses_its_buffers_in_place(arch, monkeypatch):
+    """The default mode keeps each layer's per-example tables and intermediate results between batches and writes them
+    in place: after the first batch of a shape, batches of the same grafts in any order allocate nothing the caches
+    keep (the same tensors, at the same addresses, as many), and their logits are bit for bit those of a model whose
+    caches are dropped before every batch (built anew). Another batch size or set of grafts replaces them: as many."""
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    (_, warm), (_, cold) = grafts(arch), grafts(arch)
+    inputs = batch()
+
+    def kept() -> dict[int, int]:
+        layers = warm.base_model.graft_layers().values()
+        return {id(t): t.data_ptr() for layer in layers for t in sparse_delta.cached_tensors(layer)}
+
+    def logits(model, names):
+        with torch.no_grad():
+            return model(**{k: v[: len(names)] for k, v in inputs.items()}, adapter_names=names).logits
+
+    def same_as_cold(names):
+        out = logits(warm, names)
+        for layer in cold.base_model.graft_layers().values():
+            sparse_delta.forget_joined(layer)
+        assert torch.equal(out, logits(cold, names)), names
+
+    same_as_cold(NAMES)
+    first = kept()
+    assert first
+    orders = [NAMES[::-1], NAMES[1:] + NAMES[:1], ["trec", "sst", "news", "__base__", "trec", "sst"], NAMES]
+    for names in orders:
+        same_as_cold(names)
+        assert kept() == first, names  # the same tensors at the same addresses, none added
+    for names in (["trec", "__base__", "sst", "trec"], ["trec"] * 6, NAMES):
+        same_as_cold(names)
+        assert len(kept()) <= len(first), names  # replaced, not added
 
 
 def test_sparse_delta_mode_builds_once_after_a_nan_is_written_under_an_entry(monkeypatch):

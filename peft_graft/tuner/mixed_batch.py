@@ -67,6 +67,7 @@ class MixedBatch:
     # in the "sparse_delta" mode, the layers whose deltas are not built yet: all at once, at the first layer call that
     # uses one (none does while autograd is on, so nothing is built then)
     unprepared: list[nn.Module] = field(default_factory=list)
+    nested: bool = False  # run inside another mixed batch (from a hook): leaves the layers' kept buffers alone
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,6 +136,15 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+class _Running:
+    """The mixed batches in effect, nested ones included (changed only under WRITE_LOCK, by the thread holding it)."""
+
+    depth = 0
+
+
+_RUNNING = _Running()
+
+
 @contextmanager
 def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
     """peft's ``_enable_peft_forward_hooks`` for grafts: with ``adapter_names`` in ``kwargs``, every graft layer and
@@ -160,8 +170,10 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
         with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
             delta = tuner.__dict__.get("mixed_batch_mode", DEFAULT_MIXED_BATCH_MODE) == "sparse_delta"
-            batches = {id(names): MixedBatch(names, delta), id(decoder_names): MixedBatch(decoder_names, delta)}
+            nested = _RUNNING.depth > 0
+            batches = {id(n): MixedBatch(n, delta, nested=nested) for n in (names, decoder_names)}
             layers, wrappers = tuner._adapter_modules()
+            _RUNNING.depth += 1
             try:
                 tuner.mixed_batch = batches[id(decoder_names)]
                 for module in (*layers, *wrappers):
@@ -179,6 +191,7 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
                             batch.unprepared.append(module)
                 yield
             finally:
+                _RUNNING.depth -= 1
                 _clear(tuner)
 
 
@@ -263,7 +276,10 @@ def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
     """What each ``(layer, batch)`` runs with in the "sparse_delta" mode, into ``batch.deltas``
     (:func:`sparse_delta.prepare`: every layer of the batch at once, at the first call that uses one)."""
     with torch.no_grad():
-        built = sparse_delta.prepare([(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers])
+        built = sparse_delta.prepare(
+            [(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers],
+            kept=not any(batch.nested for _, batch in layers),
+        )
     for (layer, batch), delta in zip(layers, built, strict=True):
         batch.deltas[id(layer)] = delta
 
