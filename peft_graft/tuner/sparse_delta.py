@@ -23,7 +23,8 @@ tables, one row per graft (:class:`Joined`), kept while batches bring the same g
 (:func:`prepare`) a batch picks its examples' rows, a few ``index_select`` calls per layer, and the base values under
 the entries, and the grafts' own values, are compared bit for bit with those the tables were built from, for every
 layer at once (a write through ``.data`` moves no version counter): on a GPU each kernel launch costs host time, and
-each read of a result makes the host wait for the queue.
+each read of a result makes the host wait for the queue. What a batch selects and computes goes into tensors kept per
+layer and batch size and written in place (:class:`Buffers`), so that the layers' calls allocate only their outputs.
 """
 
 from __future__ import annotations
