@@ -859,6 +859,15 @@ def test_sparse_delta_mode_reuses_its_buffers_in_place(arch, monkeypatch):
     for names in (["trec", "__base__", "sst", "trec"], ["trec"] * 6, NAMES):
         same_as_cold(names)
         assert len(kept()) <= len(first), names  # replaced, not added
+    before = kept()
+    with torch.inference_mode():  # buffers written under inference mode, then outside it (serve_grafts uses it)
+        in_inference = warm(**inputs, adapter_names=NAMES[::-1]).logits
+    assert torch.equal(in_inference, logits(warm, NAMES[::-1])) and kept() == before
+    for layer in cold.base_model.graft_layers().values():
+        sparse_delta.forget_joined(layer)
+    with torch.inference_mode():  # buffers made under inference mode, written outside it
+        cold(**inputs, adapter_names=NAMES)
+    assert torch.equal(logits(cold, NAMES[::-1]), in_inference)
 
 
 def test_sparse_delta_mode_builds_once_after_a_nan_is_written_under_an_entry(monkeypatch):

@@ -169,10 +169,12 @@ class Buffers:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The tensor ``name``, of ``shape`` and ``dtype`` (its values: those last written)."""
+        """The tensor ``name``, of ``shape`` and ``dtype`` (its values: those last written). Never an inference tensor,
+        even when made under ``torch.inference_mode()``: a later batch outside it writes it too."""
         tensor = self.tensors.get(name)
         if tensor is None or tensor.shape != shape or tensor.dtype != dtype:
-            tensor = self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+            with torch.inference_mode(False):
+                tensor = self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
         return tensor
 
 
