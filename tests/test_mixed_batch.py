@@ -660,7 +660,7 @@ def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch
         monkeypatch.setattr(owner, name, lambda *a, spied=spied: added.append(1) or spied(*a))
     original = sparse_delta.prepare
     monkeypatch.setattr(
-        sparse_delta, "prepare", lambda layers, **k: prepared.append(len(layers)) or original(layers, **k)
+        sparse_delta, "prepare", lambda layers, *a: prepared.append(len(layers)) or original(layers, *a)
     )
     _, model = grafts("bert_cls")
     inputs = batch()
@@ -825,19 +825,23 @@ def test_sparse_delta_mode_serves_graft_values_written_through_data(packed, monk
 
 @pytest.mark.parametrize("arch", ["bert_cls", "llama"])
 def test_sparse_delta_mode_reuses_its_buffers_in_place(arch, monkeypatch):
-    """The default mode keeps each layer's per-example tables and intermediate results between batches and writes them
-    in place: after the first batch of a shape, batches of the same grafts in any order allocate nothing the caches
-    keep (the same tensors, at the same addresses, as many), and their logits are bit for bit those of a model whose
-    caches are dropped before every batch (built anew). Another batch size or set of grafts replaces them: as many."""
+    """The default mode keeps each layer's per-example tables, and the intermediate results the model's layers share,
+    between batches and writes them in place: after the first batch of a shape, batches of the same grafts in any order
+    allocate nothing the caches keep (the same tensors, at the same addresses, as many), and their logits are bit for
+    bit those of a model whose caches are dropped before every batch (built anew). Another batch size or set of grafts
+    replaces them: as many. Buffers made under ``torch.inference_mode()`` are written outside it."""
     from peft_graft.tuner import sparse_delta
+    from peft_graft.tuner.mixed_batch import SCRATCH
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     (_, warm), (_, cold) = grafts(arch), grafts(arch)
     inputs = batch()
 
     def kept() -> dict[int, int]:
-        layers = warm.base_model.graft_layers().values()
-        return {id(t): t.data_ptr() for layer in layers for t in sparse_delta.cached_tensors(layer)}
+        """Every tensor the mode keeps: each layer's, and the intermediate results its layers share."""
+        held = [t for layer in warm.base_model.graft_layers().values() for t in sparse_delta.cached_tensors(layer)]
+        held += [t for pool in warm.base_model.__dict__[SCRATCH].values() for t in pool.flat.values()]
+        return {id(t): t.data_ptr() for t in held}
 
     def logits(model, names):
         with torch.no_grad():

@@ -36,7 +36,7 @@ from torch import nn
 
 from . import sparse_delta
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
-from .sparse_delta import ExampleParameters, LayerDelta, LayerNormColumns, to_device
+from .sparse_delta import ExampleParameters, LayerDelta, LayerNormColumns, Scratch, to_device
 
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
 
@@ -46,6 +46,10 @@ MIXED_BATCH_MODES = ("exact", "sparse_delta")
 DEFAULT_MIXED_BATCH_MODE = "sparse_delta"
 """The mode of a model that never called ``set_mixed_batch_mode``: level with peft LoRA's mixed batches, where the
 exact mode runs every graft layer once per graft (docs/serving.md, "Which mode")."""
+
+SCRATCH = "_mixed_batch_scratch"
+"""The attribute of a graft model holding its layers' shared intermediate results (``sparse_delta.Scratch``) per
+device."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -67,7 +71,9 @@ class MixedBatch:
     # in the "sparse_delta" mode, the layers whose deltas are not built yet: all at once, at the first layer call that
     # uses one (none does while autograd is on, so nothing is built then)
     unprepared: list[nn.Module] = field(default_factory=list)
-    nested: bool = False  # run inside another mixed batch (from a hook): leaves the layers' kept buffers alone
+    # the model's intermediate results per device (sparse_delta.Scratch), shared by its layers; None in a batch nested
+    # inside another (from a hook), which leaves the layers' kept buffers alone
+    scratch: dict[torch.device, Scratch] | None = None
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -170,8 +176,8 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
         with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
             delta = tuner.__dict__.get("mixed_batch_mode", DEFAULT_MIXED_BATCH_MODE) == "sparse_delta"
-            nested = _RUNNING.depth > 0
-            batches = {id(n): MixedBatch(n, delta, nested=nested) for n in (names, decoder_names)}
+            scratch = None if _RUNNING.depth else tuner.__dict__.setdefault(SCRATCH, {})
+            batches = {id(n): MixedBatch(n, delta, scratch=scratch) for n in (names, decoder_names)}
             layers, wrappers = tuner._adapter_modules()
             _RUNNING.depth += 1
             try:
@@ -278,7 +284,7 @@ def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
     with torch.no_grad():
         built = sparse_delta.prepare(
             [(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers],
-            kept=not any(batch.nested for _, batch in layers),
+            None if any(batch.scratch is None for _, batch in layers) else layers[0][1].scratch,
         )
     for (layer, batch), delta in zip(layers, built, strict=True):
         batch.deltas[id(layer)] = delta

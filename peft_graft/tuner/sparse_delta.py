@@ -156,12 +156,12 @@ class Joined:
 @dataclass
 class Buffers:
     """A layer's tensors for its batches, kept with its :class:`Joined` (so for one set of grafts) and written in place
-    by each batch, so that a mixed-batch forward allocates nothing but its outputs once a batch of its shape ran: the
-    examples' rows of the joined tables (selected again only when the examples' grafts change: ``graft``, the graft
-    numbers they hold), the copies of the base's vectors with each graft's values (written on every batch: they follow
-    the base), and the forward's intermediate results. One tensor per name, replaced when a batch needs another shape
-    or dtype; another batch size or device replaces them all, another set of grafts drops them with the joined values.
-    A batch nested inside another (from a hook) gets its own, not kept (:func:`prepare`)."""
+    by each batch: the examples' rows of the joined tables (selected again only when the examples' grafts change:
+    ``graft``, the graft numbers they hold) and the copies of the base's vectors with each graft's values (written on
+    every batch: they follow the base). One tensor per name, replaced when a batch needs another shape or dtype; another
+    batch size or device replaces them all, another set of grafts drops them with the joined values. A batch nested
+    inside another (from a hook) gets its own, not kept (:func:`prepare`). With :class:`Scratch`, a mixed-batch forward
+    allocates nothing but its outputs once a batch of its shape ran."""
 
     batch_size: int
     device: torch.device
@@ -178,6 +178,26 @@ class Buffers:
         return tensor
 
 
+class Scratch:
+    """The intermediate results of the layers' calls on one device, shared by every graft layer of a model: they run
+    one at a time, and each call's are used up before it returns. One flat tensor per name and dtype, grown to the
+    largest call's size (so the largest call so far bounds it); each call takes a view of its start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` for the intermediate result ``name`` (its values: undefined). Never an
+        inference tensor (see :meth:`Buffers.get`)."""
+        size = math.prod(shape)
+        flat = self.flat.get((name, dtype))
+        if flat is None or flat.numel() < size:
+            with torch.inference_mode(False):
+                flat = self.flat[(name, dtype)] = torch.empty(size, dtype=dtype, device=self.device)
+        return flat[:size].view(shape)
+
+
 def _buffers(joined: Joined, batch_size: int, device: torch.device, kept: bool) -> Buffers:
     """``joined``'s :class:`Buffers` for a batch (new where another batch size or device held them; not kept where
     ``kept`` is false)."""
@@ -191,7 +211,7 @@ def _buffers(joined: Joined, batch_size: int, device: torch.device, kept: bool) 
 
 def cached_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """Every tensor the mode keeps on ``layer`` between batches beyond the grafts' values: the joined tables and the
-    :class:`Buffers` (for tests and memory accounting)."""
+    :class:`Buffers` (for tests and memory accounting; the model's :class:`Scratch` is kept on its tuner)."""
     joined = layer.__dict__.get(_JOINED, (None, None))[1]
     if joined is None:
         return []
@@ -321,7 +341,7 @@ class LayerDelta:
     bias: torch.Tensor | None
     shape: tuple[int, int, bool]  # the layer's, as linear_shape gives it
     density: float = 0.0  # the largest share of the weight's entries one graft holds
-    scratch: Buffers | None = None  # where the intermediate results go (None: new tensors)
+    scratch: Scratch | None = None  # where the intermediate results go (None: new tensors)
 
     def forward(self, base: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``base``'s output on ``x`` with each example's graft, computed as the base layer computes its own (``addmm``
@@ -349,7 +369,7 @@ class LayerDelta:
         batch_size, tokens = x.shape[0], math.prod(x.shape[1:-1])
         x3 = x.reshape(batch_size, tokens, x.shape[-1])
         out3 = out.view(batch_size, tokens, out.shape[-1])
-        scratch = self.scratch or Buffers(batch_size, x.device)
+        scratch = self.scratch or Scratch(x.device)
         shape = (batch_size, tokens, self.weight.shape[1])
         values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1), out=scratch.get("x", shape, x.dtype))
         values = _cast(values, self.weight.dtype, scratch, "products").mul_(self.weight[:, None])
@@ -362,7 +382,7 @@ class LayerDelta:
         return out
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype, scratch: Buffers, name: str) -> torch.Tensor:
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, scratch: Scratch, name: str) -> torch.Tensor:
     """``tensor`` in ``dtype``: itself where it has it, else a copy into ``scratch``'s tensor ``name``."""
     if tensor.dtype == dtype:
         return tensor
@@ -382,9 +402,10 @@ def _layer_delta(
     numbers: torch.Tensor,
     shape: tuple[int, int, bool],
     buffers: Buffers | None = None,
+    scratch: Scratch | None = None,
 ) -> LayerDelta:
     """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host; ``shape``: the layer's;
-    ``buffers``: where its tensors go, new ones if None)."""
+    ``buffers`` and ``scratch``: where its tensors and its forward's intermediate results go, new ones if None)."""
     buffers = buffers or Buffers(len(graft), numbers.device)
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
@@ -400,7 +421,7 @@ def _layer_delta(
     density = max(counts) / (shape[0] * shape[1])
     weight = buffers.tensors["weight"]
     bias = None if bias is None else bias.data
-    return LayerDelta(columns, rows, by_row, weight, padding, bias, shape, density, buffers)
+    return LayerDelta(columns, rows, by_row, weight, padding, bias, shape, density, scratch)
 
 
 def _select(table: torch.Tensor, dim: int, numbers: torch.Tensor, buffers: Buffers, name: str) -> torch.Tensor:
@@ -480,7 +501,7 @@ class LayerNormColumns:
     bias: torch.Tensor
     empty: torch.Tensor | None
     features: int
-    scratch: Buffers | None = None  # where the intermediate results go (None: new tensors)
+    scratch: Scratch | None = None  # where the intermediate results go (None: new tensors)
 
     def forward(self, layer: nn.Module, x: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
         base = layer.base_layer
@@ -490,7 +511,7 @@ class LayerNormColumns:
         batch_size = x.shape[0]
         x3, out3 = x.reshape(batch_size, -1, self.features), out.view(batch_size, -1, self.features)
         columns = self.columns[:, None].expand(-1, x3.shape[1], -1)
-        scratch = self.scratch or Buffers(batch_size, x.device)
+        scratch = self.scratch or Scratch(x.device)
         values = torch.gather(x3, 2, columns, out=scratch.get("x", tuple(columns.shape), x.dtype))
         values.sub_(mean.view(batch_size, -1, 1)).mul_(rstd.view(batch_size, -1, 1))
         weight, bias = (
@@ -504,7 +525,12 @@ class LayerNormColumns:
 
 
 def _layer_norm_columns(
-    layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, buffers: Buffers | None = None
+    layer: nn.Module,
+    joined: Joined,
+    graft: tuple[int, ...],
+    numbers: torch.Tensor,
+    buffers: Buffers | None = None,
+    scratch: Scratch | None = None,
 ) -> LayerNormColumns:
     base = layer.base_layer
     buffers = buffers or Buffers(len(graft), numbers.device)
@@ -526,17 +552,19 @@ def _layer_norm_columns(
     entries = joined.lengths(*joined.counts)
     empty = buffers.tensors["empty"] if any(entries[n] == 0 for n in graft) else None  # rows of padding only
     features = base.normalized_shape[0]
-    return LayerNormColumns(buffers.tensors["columns"], tables["weight"], tables["bias"], empty, features, buffers)
+    return LayerNormColumns(buffers.tensors["columns"], tables["weight"], tables["bias"], empty, features, scratch)
 
 
 def prepare(
-    layers: list[tuple[nn.Module, list[str], list[str]]], kept: bool = True
+    layers: list[tuple[nn.Module, list[str], list[str]]], scratch: dict[torch.device, Scratch] | None = None
 ) -> list[LayerDelta | LayerNormColumns | ExampleParameters | None]:
     """For each ``(layer, its grafts in the batch, the batch's graft per example)``, what the mode runs it with (None:
     the exact path), built for every layer at once, so that the base values of every layer are compared with one
     read per device, and each example's row numbers are sent to it in one copy per device, where they changed since
-    the layer's last batch. Written into each layer's :class:`Buffers` (``kept``: false for a batch nested in another,
-    which must leave the outer batch's alone)."""
+    the layer's last batch. Written into each layer's :class:`Buffers`, the layers' calls then using ``scratch`` (the
+    model's, per device); a batch nested inside another, which must leave the outer batch's alone, passes None: its
+    buffers are its own, not kept."""
+    kept = scratch is not None
     found, results = [], [None] * len(layers)
     for number, (layer, holders, names) in enumerate(layers):
         kind = _kind(layer.base_layer)
@@ -560,10 +588,11 @@ def prepare(
         on_device = buffers.get("numbers", (len(graft),), torch.int64)
         if buffers.graft != graft:
             on_device.copy_(numbers[graft, buffers.device])
+        pool = None if scratch is None else scratch.setdefault(buffers.device, Scratch(buffers.device))
         if kind[0] == "linear":
-            results[number] = _layer_delta(layer, joined, graft, on_device, kind[1], buffers)
+            results[number] = _layer_delta(layer, joined, graft, on_device, kind[1], buffers, pool)
         elif kind[0] == "layer_norm":
-            results[number] = _layer_norm_columns(layer, joined, graft, on_device, buffers)
+            results[number] = _layer_norm_columns(layer, joined, graft, on_device, buffers, pool)
         else:
             results[number] = _example_parameters(layer, joined, on_device, kind[1], buffers)
         buffers.graft = graft
