@@ -389,12 +389,6 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype, scratch: Scratch, name: str)
     return scratch.get(name, tuple(tensor.shape), dtype).copy_(tensor)
 
 
-def _rows(joined: Joined, numbers: torch.Tensor, name: str) -> torch.Tensor:
-    """The rows of ``joined``'s table ``name`` for each example (``numbers``: per example, its graft's position in
-    the joined order, the number of grafts for none)."""
-    return joined.tables[name].index_select(0, numbers)
-
-
 def _layer_delta(
     layer: nn.Module,
     joined: Joined,
@@ -425,7 +419,8 @@ def _layer_delta(
 
 
 def _select(table: torch.Tensor, dim: int, numbers: torch.Tensor, buffers: Buffers, name: str) -> torch.Tensor:
-    """``table.index_select(dim, numbers)``, into ``buffers``' tensor ``name``."""
+    """The rows of ``table`` along ``dim`` for each example (``numbers``: per example, its graft's position in the
+    joined order, the number of grafts for none), into ``buffers``' tensor ``name``."""
     shape = (*table.shape[:dim], numbers.numel(), *table.shape[dim + 1 :])
     return torch.index_select(table, dim, numbers, out=buffers.get(name, shape, table.dtype))
 
