@@ -147,6 +147,8 @@ def test_grafts_loaded_onto_a_gpu_base_are_packed_there_and_give_the_unpacked_ou
         with torch.inference_mode():
             assert torch.equal(model(input_ids=ids).logits, unpacked(input_ids=ids).logits), name
     names = ["a", "__base__", "b", "a"]
+    for served in (model, unpacked):  # the default mode's scatter_add_ is not deterministic on CUDA: bit for bit, exact
+        served.base_model.set_mixed_batch_mode("exact")
     with torch.inference_mode():
         assert torch.equal(
             model(input_ids=ids, adapter_names=names).logits, unpacked(input_ids=ids, adapter_names=names).logits
