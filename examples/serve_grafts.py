@@ -24,7 +24,9 @@ regions); without ``--requests`` it draws requests from the packaged MR, TREC an
 Request files: ``.jsonl`` (or ``.json``), ``.csv``, ``.tsv``/``.txt`` (tab-separated) or ``.parquet``, with ``task``
 and ``text`` columns (other columns are ignored); every request needs a task that names a graft (or ``__base__``) and a
 non-empty text, else a ``ValueError`` names the file and the lines. ``predictions.jsonl`` gives each request's
-``index``: its 0-based data row in the file (header excluded), as the other scripts' prediction files.
+``index``: its 0-based data row in the file (header excluded), as the other scripts' prediction files. Bad flags (a
+``--batch_size`` or ``--max_seq_length`` below 1, or without room for text beside the tokenizer's special tokens, a
+``--graft`` without ``TASK=``, a task given twice) are refused before anything is written.
 
 Tasks with different numbers of classes share one base: :func:`peft_graft.serving.load_grafts` pads every head to the
 largest with rows that never win (weight 0, bias the lowest finite value of the head's dtype).
@@ -56,20 +58,47 @@ DEMO_TASKS = ("mr", "trec", "sms")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, checked before anything is read or written (argparse's error, naming the flag, otherwise)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--graft", action="append", default=[], metavar="TASK=FOLDER", help="A graft to serve.")
+    parser.add_argument(
+        "--graft", action="append", default=[], type=_graft_spec, metavar="TASK=FOLDER", help="A graft to serve."
+    )
     parser.add_argument("--model_name_or_path", default=None, help="The pre-trained base (default: packaged MiniLM).")
     parser.add_argument(
         "--requests", default=None, help="A .jsonl/.json/.csv/.tsv/.txt/.parquet file with task and text columns."
     )
     parser.add_argument("--output_dir", default="outputs/serving")
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--max_seq_length", type=int, default=64)
+    parser.add_argument("--batch_size", type=_positive_int, default=32)
+    parser.add_argument("--max_seq_length", type=_positive_int, default=64, help="Tokens per text, at most.")
     parser.add_argument("--mode", choices=("mixed", "per_task"), default="mixed")
-    parser.add_argument("--num_requests", type=int, default=256, help="Demo requests drawn when --requests is absent.")
-    parser.add_argument("--demo_steps", type=int, default=30, help="Fine-tuning steps per demo graft.")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--num_requests", type=_positive_int, default=256, help="Demo requests drawn when --requests is absent."
+    )
+    parser.add_argument("--demo_steps", type=_positive_int, default=30, help="Fine-tuning steps per demo graft.")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's).")
+    args = parser.parse_args(argv)
+    tasks = [task for task, _ in args.graft]
+    repeated = sorted({task for task in tasks if tasks.count(task) > 1})
+    if repeated:
+        parser.error(f"argument --graft: task {repeated[0]!r} is given more than once; give each task one graft.")
+    return args
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _graft_spec(text: str) -> tuple[str, str]:
+    """``TASK=FOLDER`` as ``(task, folder)``."""
+    task, sign, folder = text.partition("=")
+    if not sign or not task.strip() or not folder.strip():
+        raise argparse.ArgumentTypeError(f"expected TASK=FOLDER (e.g. trec=outputs/trec/graft), got {text!r}")
+    if task == BASE:
+        raise argparse.ArgumentTypeError(f"{BASE!r} names the pre-trained model and cannot name a graft: {text!r}")
+    return task, folder
 
 
 # ------------------------------------------------------------------------------------------------ demo grafts
@@ -179,6 +208,17 @@ def batches(requests: pd.DataFrame, batch_size: int, mode: str) -> list[list[int
     return out
 
 
+def check_max_length(max_length: int, tokenizer) -> None:
+    """``--max_seq_length`` must leave room for a token of text beside the tokenizer's special tokens: below that the
+    tokenizer does not truncate at all."""
+    special = tokenizer.num_special_tokens_to_add()
+    if max_length <= special:
+        raise ValueError(
+            f"--max_seq_length {max_length} leaves no room for text: the tokenizer adds {special} special tokens to "
+            f"each text; use at least {special + 1}."
+        )
+
+
 def check_base_requests(requests: pd.DataFrame, path: str, new_head: list[str], base: str) -> None:
     """``__base__`` requests need a base whose checkpoint holds a trained head of the served size: a head initialised
     at random at load (``new_head``: its tensors) would answer at random, differently at every load."""
@@ -232,11 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     if args.model_name_or_path is None or not args.graft or args.requests is None:
         ensure_assets(ASSETS)
     base = args.model_name_or_path or minilm_dir()
-    grafts = dict(spec.split("=", 1) for spec in args.graft)
+    grafts = dict(args.graft)
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(grafts.values()), base))  # the demo grafts save the base's
+    check_max_length(args.max_seq_length, tokenizer)
+    output_dir.mkdir(parents=True, exist_ok=True)
     if not grafts:
         grafts = build_demo_grafts(base, output_dir / "demo_grafts", args.demo_steps)
     requests_path = args.requests or demo_requests(list(grafts), args.num_requests, output_dir / "requests.jsonl")
@@ -245,7 +287,6 @@ def main(argv: list[str] | None = None) -> dict:
     model, setups, new_head = load_grafts(base, grafts)
     load_s = time.perf_counter() - start
     check_base_requests(requests, requests_path, new_head, base)
-    tokenizer = AutoTokenizer.from_pretrained(next(iter(grafts.values())))
     serve(model, tokenizer, setups, requests.iloc[: args.batch_size], args.batch_size, args.max_seq_length, args.mode)
     start = time.perf_counter()  # timed after one warm-up batch
     results = serve(model, tokenizer, setups, requests, args.batch_size, args.max_seq_length, args.mode)

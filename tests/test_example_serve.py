@@ -170,3 +170,34 @@ def test_bad_requests_are_value_errors_naming_the_file_and_line(tmp_path, conten
     path.write_text(content)
     with pytest.raises(ValueError, match=rf"{re.escape(repr(str(path)))}.*{message}"):
         serve_grafts.read_requests(str(path), list(TASKS))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch_size", "0"], r"argument --batch_size: must be a positive integer, got 0"),
+        (["--batch_size", "-1"], r"argument --batch_size: must be a positive integer, got -1"),
+        (["--max_seq_length", "0"], r"argument --max_seq_length: must be a positive integer, got 0"),
+        (["--graft", "outputs/trec"], r"argument --graft: expected TASK=FOLDER .*got 'outputs/trec'"),
+        (["--graft", "trec="], r"argument --graft: expected TASK=FOLDER"),
+        (["--graft", "__base__=x"], r"argument --graft: '__base__' names the pre-trained model"),
+        (["--graft", "trec=a", "--graft", "trec=b"], r"argument --graft: task 'trec' is given more than once"),
+    ],
+)  # fmt: skip
+def test_bad_flags_are_refused_naming_the_flag_before_anything_is_written(tmp_path, capsys, flags, message):
+    """Each bad flag is argparse's error naming it (exit status 2), before the output folder or any file is made."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as error:
+        serve_grafts.main(["--output_dir", str(out), "--requests", str(tmp_path / "requests.jsonl"), *flags])
+    assert error.value.code == 2 and re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_a_max_seq_length_without_room_for_text_is_refused_before_anything_is_written(tmp_path):
+    """BERT adds two special tokens to each text: ``--max_seq_length 2`` would not truncate at all."""
+    base, specs = make_assets(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", base, "--output_dir", str(out), "--max_seq_length", "2"]
+    with pytest.raises(ValueError, match=r"--max_seq_length 2 leaves no room for text.*2 special tokens.*at least 3"):
+        serve_grafts.main([*argv, "--requests", str(tmp_path / "requests.jsonl"), *(f"--graft={s}" for s in specs)])
+    assert not out.exists()

@@ -2,13 +2,15 @@
 example gets what a forward with only its graft active gives, on every layer type and head, in ``generate``, with
 peft's argument checks, and with the single-graft path's guarantees (threads, nested forwards, errors).
 
-Exactness: a graft layer runs its base layer once per group of examples with the group's graft written in place, so an
-example goes through the arithmetic of the single-graft forward on its group's rows: each graft layer's output rows are
-bit-exact against that layer run with only the group's graft active on exactly those rows
-(``test_each_graft_layer_is_bit_exact_per_group``). The whole model is bound, not bit-exact: the modules between graft
-layers (attention, activations) run on the whole batch, and CPU kernels round by tensor size (SiLU's vector body and
-scalar tail; matrix products' blocking), so against a forward of each graft's examples as their own batch, or of the
-whole batch with one graft, the logits agree to ``RTOL`` of their largest magnitude (measured: below 1e-7 relative)."""
+Exactness, in the exact mode (``set_mixed_batch_mode("exact")``): a graft layer runs its base layer once per group of
+examples with the group's graft written in place, so an example goes through the arithmetic of the single-graft forward
+on its group's rows: each graft layer's output rows are bit-exact against that layer run with only the group's graft
+active on exactly those rows (``test_each_graft_layer_is_bit_exact_per_group``). The default mode, ``"sparse_delta"``,
+stays within its stated rounding bounds per layer (``test_sparse_delta_mode_stays_within_its_rounding_bound``). The
+whole model is bound, not bit-exact: the modules between graft layers (attention, activations) run on the whole batch,
+and CPU kernels round by tensor size (SiLU's vector body and scalar tail; matrix products' blocking), so against a
+forward of each graft's examples as their own batch, or of the whole batch with one graft, the logits agree to ``RTOL``
+of their largest magnitude (measured: below 1e-7 relative)."""
 
 from __future__ import annotations
 
@@ -103,10 +105,11 @@ def test_each_example_gets_its_grafts_output(arch):
 
 
 def test_each_graft_layer_is_bit_exact_per_group(arch):
-    """Every graft layer's mixed output, per group, equals that layer run with only the group's graft active (adapters
-    disabled for "__base__") on the group's rows of the same input: the design's exactness, free of the rounding the
-    modules between graft layers add by batch size."""
+    """In the exact mode, every graft layer's mixed output, per group, equals that layer run with only the group's
+    graft active (adapters disabled for "__base__") on the group's rows of the same input: the mode's exactness, free
+    of the rounding the modules between graft layers add by batch size."""
     _, model = grafts(arch)
+    model.set_mixed_batch_mode("exact")
     inputs, seen = batch(), {}
     layers = model.base_model.graft_layers()
 
@@ -208,10 +211,12 @@ class Mixed(nn.Module):
 
 
 def test_plain_layer_types_and_autograd_on():
-    """Custom modules through peft's PeftModel; with autograd on in eval mode, the functional forward per group."""
+    """Custom modules through peft's PeftModel, in the exact mode: bit for bit each graft alone; with autograd on in
+    eval mode, the functional forward per group."""
     torch.manual_seed(0)
     pre = Mixed()
     model = get_peft_model(clone_plain(pre), GraftConfig(finetuned=finetune_like(pre), sparsity=0.2), "sst")
+    model.set_mixed_batch_mode("exact")
     model.add_adapter("trec", GraftConfig(finetuned=finetune_like(pre, seed=5), sparsity=0.2, region="random", seed=5))
     model.eval()
     x, names = input_ids(5, 7, seed=2), ["trec", "sst", "__base__", "trec", "sst"]
@@ -261,6 +266,49 @@ def test_argument_errors_match_peft():
         assert torch.equal(model(**inputs, adapter_names=NAMES).logits, model(**inputs, adapter_names=NAMES).logits)
 
 
+class TwoInputs(nn.Module):
+    """A head that takes two tensors (``kind="two"``) or returns a tuple (``kind="tuple"``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.proj = kind, nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        if self.kind == "two":
+            return self.proj(x) * y
+        return self.proj(x), x
+
+
+class WithHead(nn.Module):
+    def __init__(self, kind: str = "two"):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, 8), TwoInputs(kind)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.head.kind == "two":
+            return self.head(h, y=torch.ones_like(h[..., :3]))
+        return self.head(h)[0]
+
+
+@pytest.mark.parametrize(("kind", "why"), [("two", "takes more than one tensor"), ("tuple", "returns a tuple")])
+def test_a_head_stored_whole_taking_two_tensors_or_returning_a_tuple_is_a_clear_type_error(kind, why):
+    """As peft refuses modules it cannot split by example: a TypeError naming the module and what is supported, also
+    for a batch of one graft; the model then serves on."""
+    torch.manual_seed(0)
+    pre = WithHead(kind)
+    copy = WithHead(kind)
+    copy.load_state_dict(pre.state_dict())
+    config = GraftConfig(finetuned=finetune_like(pre), sparsity=0.2, modules_to_save=["head"])
+    model = get_peft_model(copy, config, "sst").eval()
+    x = input_ids(3, 5, seed=2)
+    for names in (["sst", "__base__", "sst"], ["sst"] * 3):
+        with torch.no_grad(), pytest.raises(TypeError, match=rf"modules_to_save.*one tensor.*TwoInputs {why}"):
+            model(x, adapter_names=names)
+    with torch.no_grad():
+        assert torch.equal(model(x), model(x))
+
+
 def test_a_region_still_learned_is_refused_and_base_is_a_reserved_name():
     pre, finetuned, task_type = make_pair("bert_cls")
     config = GraftConfig(finetuned=finetuned, sparsity=0.05, learn_region=True, task_type=task_type)
@@ -297,10 +345,17 @@ def test_threads_mixing_batches_and_single_graft_forwards_get_their_outputs():
     assert unchanged(model, before)
 
 
-@pytest.mark.parametrize("nested_names", [None, ["news"] * len(NAMES)])
-def test_a_forward_nested_in_a_mixed_batch_sees_the_state_it_asks_for(nested_names):
+@pytest.mark.parametrize("deltas", [False, True])
+@pytest.mark.parametrize("nested_names", [None, ["news"] * len(NAMES), NAMES[::-1]])
+def test_a_forward_nested_in_a_mixed_batch_sees_the_state_it_asks_for(nested_names, deltas, monkeypatch):
     """A hook calling the model inside a mixed forward: without adapter_names it gets the model's ordinary output
-    (the active graft), with its own adapter_names those; and a mixed forward nested in an ordinary one."""
+    (the active graft), with its own adapter_names those (other grafts, or the same in another order: the nested batch
+    leaves the outer batch's buffers alone); and a mixed forward nested in an ordinary one. ``deltas``: every linear
+    layer on the delta path of the default mode."""
+    if deltas:
+        from peft_graft.tuner import sparse_delta
+
+        monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
     _, model = grafts("gpt2")
     inputs, before = batch(), state(model)
     extra = {} if nested_names is None else {"adapter_names": nested_names}
@@ -383,11 +438,11 @@ def _assert_layer_norm_within_bound(layer, x: torch.Tensor, output: torch.Tensor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypatch):
-    """With ``set_mixed_batch_mode("sparse_delta")`` each linear graft layer runs once per batch plus each group's
-    sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ from the exact
-    per-group path by no more than the documented rounding bound; LayerNorms, run once too, only at the features a
-    graft changes, within theirs; the other layers stay bit-exact; the logits stay within RTOL of the exact mode's;
-    the base is left untouched."""
+    """The default mode, ``"sparse_delta"`` (a model that never set one): each linear graft layer runs once per batch
+    plus each group's sparse delta: its output rows (those of "__base__" too: one product over the whole batch) differ
+    from the exact per-group path by no more than the documented rounding bound; LayerNorms, run once too, only at the
+    features a graft changes, within theirs; the other layers stay bit-exact; the logits stay within 10 RTOL of the
+    exact mode's (``set_mixed_batch_mode("exact")``, which never takes the delta path); the base is left untouched."""
     from peft_graft.tuner import sparse_delta
 
     monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
@@ -404,10 +459,6 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
     _, model = grafts(arch)
     model.to(dtype)  # float64: the deltas too, or the bound (u of the output's dtype) fails
     inputs, before = batch(), state(model)
-    with torch.no_grad():
-        exact = model(**inputs, adapter_names=NAMES).logits
-    assert not taken  # the default mode never takes it
-    model.set_mixed_batch_mode("sparse_delta")
     layers = model.base_model.graft_layers()
     seen = {}
 
@@ -423,9 +474,14 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
     for handle in handles:
         handle.remove()
     assert unchanged(model, before)
-    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
     linear = {name for name, layer in layers.items() if sparse_delta.linear_shape(layer.base_layer) is not None}
     assert linear and {id(layers[name]) for name in linear} <= {id(layer) for layer in taken}
+    taken.clear()
+    model.set_mixed_batch_mode("exact")
+    with torch.no_grad():
+        exact = model(**inputs, adapter_names=NAMES).logits
+    assert not taken  # the exact mode never takes it
+    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
     for graft in dict.fromkeys(NAMES):
         rows = [i for i, n in enumerate(NAMES) if n == graft]
         for name, (x, output) in seen.items():
@@ -550,6 +606,7 @@ def test_sparse_delta_mode_keeps_the_exact_path_for_dense_grafts():
     logits equal the exact mode's bit for bit. An unknown mode is a ValueError naming the modes."""
     _, model = grafts("bert_cls")
     inputs = batch()
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad():
         exact = model(**inputs, adapter_names=NAMES).logits
         model.set_mixed_batch_mode("sparse_delta")
@@ -577,6 +634,7 @@ def test_sparse_delta_mode_generates_the_exact_modes_tokens(arch, monkeypatch):
     inputs, before = batch(), state(model)
     kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0, output_logits=True,
                   return_dict_in_generate=True)  # fmt: skip
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad():
         exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
     assert not lengths
@@ -601,10 +659,13 @@ def test_sparse_delta_mode_takes_the_exact_path_while_autograd_is_on(monkeypatch
         spied = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, spied=spied: added.append(1) or spied(*a))
     original = sparse_delta.prepare
-    monkeypatch.setattr(sparse_delta, "prepare", lambda layers: prepared.append(len(layers)) or original(layers))
+    monkeypatch.setattr(
+        sparse_delta, "prepare", lambda layers, *a: prepared.append(len(layers)) or original(layers, *a)
+    )
     _, model = grafts("bert_cls")
     inputs = batch()
     embeddings = model.get_input_embeddings()(inputs["input_ids"]).detach().requires_grad_()
+    model.set_mixed_batch_mode("exact")
     exact = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
     model.set_mixed_batch_mode("sparse_delta")
     fast = model(inputs_embeds=embeddings, attention_mask=inputs["attention_mask"], adapter_names=NAMES).logits
@@ -629,6 +690,7 @@ def test_sparse_delta_mode_takes_the_exact_path_under_autocast(monkeypatch):
     )
     _, model = grafts("bert_cls")
     inputs = batch()
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         exact = model(**inputs, adapter_names=NAMES).logits
         model.set_mixed_batch_mode("sparse_delta")
@@ -654,8 +716,11 @@ def test_sparse_delta_mode_chooses_per_call_by_tokens(monkeypatch):
     _, model = grafts("llama")
     inputs = batch()
     kwargs = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    model.set_mixed_batch_mode("exact")
     with torch.no_grad():
         exact = model.generate(**inputs, **kwargs, adapter_names=NAMES)
+    assert not lengths
+    with torch.no_grad():
         model.set_mixed_batch_mode("sparse_delta")
         fast = model.generate(**inputs, **kwargs, adapter_names=NAMES)
     assert lengths and set(lengths) == {1}
@@ -711,6 +776,102 @@ def test_sparse_delta_mode_reuses_its_deltas_until_a_graft_or_the_base_changes(m
     parameters[attr].data.view(-1)[entries[0][0]] += 1e3  # under an entry: "sst" replaces it by its value
     assert both(NAMES) > after_scale
     assert {id(plan) for plan in built[after_scale:]} <= {id(plan) for plan in layer._in_place_plans.values()}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sparse_delta_mode_serves_graft_values_written_through_data(packed, monkeypatch, tmp_path):
+    """A graft's values written through ``.data`` (no version counter moves) are served at once by the
+    "sparse_delta" mode, as by the exact mode and the graft alone: its deltas there are built again, not the old ones
+    served (unpacked and packed grafts); later batches reuse them."""
+    from peft import PeftModel
+
+    from peft_graft.tuner import sparse_delta
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    pre, model = grafts("bert_cls")
+    if packed:
+        model.save_pretrained(tmp_path)
+        model = PeftModel.from_pretrained(clone_model(pre), tmp_path / "trec", adapter_name="trec")
+        model.load_adapter(tmp_path / "news", adapter_name="news")
+        model.load_adapter(tmp_path / "sst", adapter_name="sst")
+        model.eval()
+    inputs = batch()
+    model.set_mixed_batch_mode("sparse_delta")
+    with torch.no_grad():
+        model(**inputs, adapter_names=NAMES)  # every graft's deltas built
+    stored = {}  # a packed graft's values: one store for every layer
+    for layer in model.base_model.graft_layers().values():
+        values = layer.packed["trec"].tensors["values"] if packed else layer.graft_values.get("trec")
+        if values is not None:
+            stored[values.data_ptr()] = values
+    assert len(stored) == (1 if packed else len(model.base_model.graft_layers()))
+    for values in stored.values():
+        values.data.mul_(-3.0)  # through .data: no version counter moves
+    model.set_mixed_batch_mode("exact")
+    with torch.no_grad():
+        exact = model(**inputs, adapter_names=NAMES).logits
+    model.set_mixed_batch_mode("sparse_delta")
+    with torch.no_grad():
+        fast = model(**inputs, adapter_names=NAMES).logits
+    assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
+    rebuilt = []
+    original = sparse_delta.graft_values
+    monkeypatch.setattr(sparse_delta, "graft_values", lambda plan, *a: rebuilt.append(plan) or original(plan, *a))
+    with torch.no_grad():
+        again = model(**inputs, adapter_names=NAMES).logits
+    assert not rebuilt and torch.equal(again, fast)
+    check_per_example(model, inputs, NAMES, exact)  # the exact mode served the new values (this unpacks the grafts)
+
+
+@pytest.mark.parametrize("arch", ["bert_cls", "llama"])
+def test_sparse_delta_mode_reuses_its_buffers_in_place(arch, monkeypatch):
+    """The default mode keeps each layer's per-example tables, and the intermediate results the model's layers share,
+    between batches and writes them in place: after the first batch of a shape, batches of the same grafts in any order
+    allocate nothing the caches keep (the same tensors, at the same addresses, as many), and their logits are bit for
+    bit those of a model whose caches are dropped before every batch (built anew). Another batch size or set of grafts
+    replaces them: as many. Buffers made under ``torch.inference_mode()`` are written outside it."""
+    from peft_graft.tuner import sparse_delta
+    from peft_graft.tuner.mixed_batch import SCRATCH
+
+    monkeypatch.setattr(sparse_delta, "SPARSE_DELTA_MAX_WORK", 1e9)  # the tiny grafts hold 5% of each tensor
+    (_, warm), (_, cold) = grafts(arch), grafts(arch)
+    inputs = batch()
+
+    def kept() -> dict[int, int]:
+        """Every tensor the mode keeps: each layer's, and the intermediate results its layers share."""
+        held = [t for layer in warm.base_model.graft_layers().values() for t in sparse_delta.cached_tensors(layer)]
+        held += [t for pool in warm.base_model.__dict__[SCRATCH].values() for t in pool.flat.values()]
+        return {id(t): t.data_ptr() for t in held}
+
+    def logits(model, names):
+        with torch.no_grad():
+            return model(**{k: v[: len(names)] for k, v in inputs.items()}, adapter_names=names).logits
+
+    def same_as_cold(names):
+        out = logits(warm, names)
+        for layer in cold.base_model.graft_layers().values():
+            sparse_delta.forget_joined(layer)
+        assert torch.equal(out, logits(cold, names)), names
+
+    same_as_cold(NAMES)
+    first = kept()
+    assert first
+    orders = [NAMES[::-1], NAMES[1:] + NAMES[:1], ["trec", "sst", "news", "__base__", "trec", "sst"], NAMES]
+    for names in orders:
+        same_as_cold(names)
+        assert kept() == first, names  # the same tensors at the same addresses, none added
+    for names in (["trec", "__base__", "sst", "trec"], ["trec"] * 6, NAMES):
+        same_as_cold(names)
+        assert len(kept()) <= len(first), names  # replaced, not added
+    before = kept()
+    with torch.inference_mode():  # buffers written under inference mode, then outside it (serve_grafts uses it)
+        in_inference = warm(**inputs, adapter_names=NAMES[::-1]).logits
+    assert torch.equal(in_inference, logits(warm, NAMES[::-1])) and kept() == before
+    for layer in cold.base_model.graft_layers().values():
+        sparse_delta.forget_joined(layer)
+    with torch.inference_mode():  # buffers made under inference mode, written outside it
+        cold(**inputs, adapter_names=NAMES)
+    assert torch.equal(logits(cold, NAMES[::-1]), in_inference)
 
 
 def test_sparse_delta_mode_builds_once_after_a_nan_is_written_under_an_entry(monkeypatch):

@@ -1,25 +1,25 @@
 """Mixed-graft batches: ``peft_model(**inputs, adapter_names=[...])``, one graft per example, as peft's LoRA offers.
 
-Each graft layer splits the batch by the graft its examples ask for and runs its base layer once per group, with that
-graft's entries written into the base tensors for the group's call (the same :class:`InPlacePlan` as a single-graft
-forward, written and restored around each call); examples whose graft has no entries in the layer (and those asking
-for ``"__base__"``, the pre-trained model) share one call on the base tensors as they are. Each example therefore goes
-through exactly the arithmetic of a forward with only its graft active, on its group's rows; on the CPU a row of a
-matrix product does not depend on the other rows of its batch, so outputs are bit-exact (``tests/test_mixed_batch.py``).
-A head stored whole (``modules_to_save``, e.g. a classification head per task) runs the same way: each group through
-its graft's copy. The measurement behind this choice (rather than adding sparse deltas to the base output) is in
-BENCHMARKS.md, "Mixed-graft batches".
+Two modes (``model.set_mixed_batch_mode``). The default, ``"sparse_delta"``, runs a linear layer whose grafts are sparse
+enough there, an ``nn.LayerNorm``, and a layer whose grafted tensors are vectors (an RMSNorm's weight) once for the
+whole batch, plus each example's graft (sparse_delta.py: linear layers and LayerNorms within stated rounding bounds,
+vector layers bit-exact where checked); other layers, and every layer while autograd is on, take the exact path. It is
+the default because it is level with peft LoRA's mixed batches where the exact mode is not (docs/serving.md).
+
+The exact path, all of ``"exact"``: each graft layer splits the batch by the graft its examples ask for and runs its
+base layer once per group, with that graft's entries written into the base tensors for the group's call (the same
+:class:`InPlacePlan` as a single-graft forward, written and restored around each call); examples whose graft has no
+entries in the layer (and those asking for ``"__base__"``, the pre-trained model) share one call on the base tensors as
+they are. Each example therefore goes through exactly the arithmetic of a forward with only its graft active, on its
+group's rows; on the CPU a row of a matrix product does not depend on the other rows of its batch, so outputs are
+bit-exact (``tests/test_mixed_batch.py``). A head stored whole (``modules_to_save``, e.g. a classification head per
+task) runs this way in both modes: each group through its graft's copy.
 
 The state lives on the layers (``GraftLayer.mixed_batch``) and on the tuner for the duration of the forward or
 ``generate`` and is set and cleared under :data:`~peft_graft.tuner.in_place.WRITE_LOCK`, so a mixed batch keeps the
 single-graft path's guarantees: threads run one at a time, a forward nested inside it (a hook calling the model without
 ``adapter_names``) runs in the model's ordinary state, and the base tensors get their values back bit for bit, also
 after an error.
-
-``model.set_mixed_batch_mode("sparse_delta")`` runs a linear layer whose grafts are sparse enough there, an
-``nn.LayerNorm``, and a layer whose grafted tensors are vectors (an RMSNorm's weight), once for the whole batch instead
-(sparse_delta.py: linear layers and LayerNorms within stated rounding bounds, vector layers bit-exact where checked);
-other layers, and every layer while autograd is on, keep the exact path.
 """
 
 from __future__ import annotations
@@ -36,12 +36,20 @@ from torch import nn
 
 from . import sparse_delta
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
-from .sparse_delta import ExampleParameters, LayerDelta, LayerNormColumns, to_device
+from .sparse_delta import ExampleParameters, LayerDelta, LayerNormColumns, Scratch, to_device
 
 _ALIGNMENT = 64  # bytes: PyTorch's CPU allocator aligns every tensor so, and MKL's results may depend on it
 
 MIXED_BATCH_MODES = ("exact", "sparse_delta")
-"""``"exact"``: per-group base calls, bit-exact per example (the default); ``"sparse_delta"``: see the module doc."""
+"""``"exact"``: per-group base calls, bit-exact per example; ``"sparse_delta"`` (the default): see the module doc."""
+
+DEFAULT_MIXED_BATCH_MODE = "sparse_delta"
+"""The mode of a model that never called ``set_mixed_batch_mode``: level with peft LoRA's mixed batches, where the
+exact mode runs every graft layer once per graft (docs/serving.md, "Which mode")."""
+
+SCRATCH = "_mixed_batch_scratch"
+"""The attribute of a graft model holding its layers' shared intermediate results (``sparse_delta.Scratch``) per
+device."""
 
 BASE = "__base__"
 """The name that asks for the pre-trained model in ``adapter_names``, as in peft."""
@@ -63,6 +71,9 @@ class MixedBatch:
     # in the "sparse_delta" mode, the layers whose deltas are not built yet: all at once, at the first layer call that
     # uses one (none does while autograd is on, so nothing is built then)
     unprepared: list[nn.Module] = field(default_factory=list)
+    # the model's intermediate results per device (sparse_delta.Scratch), shared by its layers; None in a batch nested
+    # inside another (from a hook), which leaves the layers' kept buffers alone
+    scratch: dict[torch.device, Scratch] | None = None
     _groups: dict[torch.device, list[Group]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,6 +142,15 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+class _Running:
+    """The mixed batches in effect, nested ones included (changed only under WRITE_LOCK, by the thread holding it)."""
+
+    depth = 0
+
+
+_RUNNING = _Running()
+
+
 @contextmanager
 def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
     """peft's ``_enable_peft_forward_hooks`` for grafts: with ``adapter_names`` in ``kwargs``, every graft layer and
@@ -155,9 +175,11 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
         encoder = _encoder(tuner.model)
         encoder_modules = {id(m) for m in encoder.modules()} if encoder is not None else set()
         with suspended_writes() if _IN_EFFECT else nullcontext(), _suspended(tuner):
-            delta = tuner.__dict__.get("mixed_batch_mode", "exact") == "sparse_delta"
-            batches = {id(names): MixedBatch(names, delta), id(decoder_names): MixedBatch(decoder_names, delta)}
+            delta = tuner.__dict__.get("mixed_batch_mode", DEFAULT_MIXED_BATCH_MODE) == "sparse_delta"
+            scratch = None if _RUNNING.depth else tuner.__dict__.setdefault(SCRATCH, {})
+            batches = {id(n): MixedBatch(n, delta, scratch=scratch) for n in (names, decoder_names)}
             layers, wrappers = tuner._adapter_modules()
+            _RUNNING.depth += 1
             try:
                 tuner.mixed_batch = batches[id(decoder_names)]
                 for module in (*layers, *wrappers):
@@ -175,6 +197,7 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
                             batch.unprepared.append(module)
                 yield
             finally:
+                _RUNNING.depth -= 1
                 _clear(tuner)
 
 
@@ -259,7 +282,10 @@ def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
     """What each ``(layer, batch)`` runs with in the "sparse_delta" mode, into ``batch.deltas``
     (:func:`sparse_delta.prepare`: every layer of the batch at once, at the first call that uses one)."""
     with torch.no_grad():
-        built = sparse_delta.prepare([(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers])
+        built = sparse_delta.prepare(
+            [(layer, sorted(_holders(layer, batch)), batch.names) for layer, batch in layers],
+            None if any(batch.scratch is None for _, batch in layers) else layers[0][1].scratch,
+        )
     for (layer, batch), delta in zip(layers, built, strict=True):
         batch.deltas[id(layer)] = delta
 
@@ -283,16 +309,29 @@ def _head_forward(wrapper: ModulesToSaveWrapper, batch: MixedBatch):
         holders = frozenset(name for name in batch.positions if name in wrapper.modules_to_save)
         if not holders:
             return wrapper.original_module(*args, **kwargs)
+        what = type(wrapper.original_module).__name__
+        if not args or any(torch.is_tensor(value) for value in (*args[1:], *kwargs.values())):
+            _refuse_head(what, "takes its input as a keyword" if not args else "takes more than one tensor")
 
         def run(name: str, inputs: torch.Tensor) -> torch.Tensor:
             module = wrapper.modules_to_save[name] if name in holders else wrapper.original_module
-            return module(inputs, *args[1:], **kwargs)
+            output = module(inputs, *args[1:], **kwargs)
+            if not torch.is_tensor(output):
+                _refuse_head(what, f"returns a {type(output).__name__}")
+            return output
 
-        return _combine(
-            batch.groups(args[0].device), run, args[0], len(batch.names), type(wrapper.original_module).__name__
-        )
+        return _combine(batch.groups(args[0].device), run, args[0], len(batch.names), what)
 
     return forward
+
+
+def _refuse_head(what: str, why: str) -> None:
+    raise TypeError(
+        f"A module stored whole (modules_to_save) serves mixed-graft batches (adapter_names) only when it takes one "
+        f"tensor with a batch dimension, as its first argument, and returns one tensor; this {what} {why}. Serve "
+        "these grafts one at a time (set_adapter), or store only tensors of the module (a graft of its weights) "
+        "rather than the module whole."
+    )
 
 
 def _source_layers(layer: nn.Module) -> list[nn.Module]:

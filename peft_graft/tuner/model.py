@@ -217,10 +217,10 @@ class GraftModel(BaseTuner):
     _enable_peft_forward_hooks = mixed_batch_hooks
 
     def set_mixed_batch_mode(self, mode: str) -> None:
-        """How mixed-graft batches run: ``"exact"`` (default; each example bit-exact as with its graft alone) or
-        ``"sparse_delta"`` (faster for decoding: a linear layer whose grafts are sparse enough for the call runs once
-        per batch plus each graft's sparse delta, differing from ``"exact"`` by rounding only; the rule and the bound
-        are in ``peft_graft/tuner/mixed_batch.py``)."""
+        """How mixed-graft batches run: ``"sparse_delta"`` (the default: a linear layer whose grafts are sparse enough
+        for the call runs once per batch plus each graft's sparse delta, differing from ``"exact"`` by rounding only
+        within a stated bound; ``peft_graft/tuner/mixed_batch.py``) or ``"exact"`` (each graft layer bit-exact per
+        example as with its graft alone, slower: each graft layer runs once per graft)."""
         if mode not in MIXED_BATCH_MODES:
             raise ValueError(f"mixed batch mode must be one of {MIXED_BATCH_MODES}, got {mode!r}.")
         with WRITE_LOCK:  # not while a mixed batch runs in another thread

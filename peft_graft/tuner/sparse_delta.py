@@ -21,15 +21,17 @@ Other layers keep the exact per-group path. Each graft's values on a layer are b
 in-place plan (so for as long as the plan is current, and freed with it). A layer's grafts are joined into padded
 tables, one row per graft (:class:`Joined`), kept while batches bring the same grafts; before the forward
 (:func:`prepare`) a batch picks its examples' rows, a few ``index_select`` calls per layer, and the base values under
-the entries are compared for every layer at once: on a GPU each kernel launch costs host time, and each read of a
-result makes the host wait for the queue.
+the entries, and the grafts' own values, are compared bit for bit with those the tables were built from, for every
+layer at once (a write through ``.data`` moves no version counter): on a GPU each kernel launch costs host time, and
+each read of a result makes the host wait for the queue. What a batch selects and computes goes into tensors kept per
+layer and batch size and written in place (:class:`Buffers`), so that the layers' calls allocate only their outputs.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -137,6 +139,10 @@ class Joined:
     counts: dict[str, list[int]]
     tables: dict[str, torch.Tensor]
     grafts: int
+    # the grafts' own values the joined values were built from (the in-place plans' views of the graft tensors), and
+    # a copy of them then, both per (device, dtype): compared on every batch (:func:`_changed_layers`)
+    sources: dict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    buffers: Buffers | None = None  # the batches' tensors (:class:`Buffers`), for the last batch size and device
 
     @property
     def device(self) -> torch.device:
@@ -145,6 +151,73 @@ class Joined:
     def lengths(self, *attrs: str) -> list[int]:
         """Per table row (each graft, then none), its number of entries in the base tensors ``attrs``."""
         return [sum(self.counts[a][n] for a in attrs if a in self.counts) for n in range(self.grafts)] + [0]
+
+
+@dataclass
+class Buffers:
+    """A layer's tensors for its batches, kept with its :class:`Joined` (so for one set of grafts) and written in place
+    by each batch: the examples' rows of the joined tables (selected again only when the examples' grafts change:
+    ``graft``, the graft numbers they hold) and the copies of the base's vectors with each graft's values (written on
+    every batch: they follow the base). One tensor per name, replaced when a batch needs another shape or dtype; another
+    batch size or device replaces them all, another set of grafts drops them with the joined values. A batch nested
+    inside another (from a hook) gets its own, not kept (:func:`prepare`). With :class:`Scratch`, a mixed-batch forward
+    allocates nothing but its outputs once a batch of its shape ran."""
+
+    batch_size: int
+    device: torch.device
+    graft: tuple[int, ...] | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor ``name``, of ``shape`` and ``dtype`` (its values: those last written). Never an inference tensor,
+        even when made under ``torch.inference_mode()``: a later batch outside it writes it too."""
+        tensor = self.tensors.get(name)
+        if tensor is None or tensor.shape != shape or tensor.dtype != dtype:
+            with torch.inference_mode(False):
+                tensor = self.tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        return tensor
+
+
+class Scratch:
+    """The intermediate results of the layers' calls on one device, shared by every graft layer of a model: they run
+    one at a time, and each call's are used up before it returns. One flat tensor per name and dtype, grown to the
+    largest call's size (so the largest call so far bounds it); each call takes a view of its start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` for the intermediate result ``name`` (its values: undefined). Never an
+        inference tensor (see :meth:`Buffers.get`)."""
+        size = math.prod(shape)
+        flat = self.flat.get((name, dtype))
+        if flat is None or flat.numel() < size:
+            with torch.inference_mode(False):
+                flat = self.flat[(name, dtype)] = torch.empty(size, dtype=dtype, device=self.device)
+        return flat[:size].view(shape)
+
+
+def _buffers(joined: Joined, batch_size: int, device: torch.device, kept: bool) -> Buffers:
+    """``joined``'s :class:`Buffers` for a batch (new where another batch size or device held them; not kept where
+    ``kept`` is false)."""
+    buffers = joined.buffers
+    if not kept:
+        return Buffers(batch_size, device)
+    if buffers is None or buffers.batch_size != batch_size or buffers.device != device:
+        buffers = joined.buffers = Buffers(batch_size, device)
+    return buffers
+
+
+def cached_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the mode keeps on ``layer`` between batches beyond the grafts' values: the joined tables and the
+    :class:`Buffers` (for tests and memory accounting; the model's :class:`Scratch` is kept on its tuner)."""
+    joined = layer.__dict__.get(_JOINED, (None, None))[1]
+    if joined is None:
+        return []
+    kept = [*joined.at.values(), *joined.original.values(), *joined.value.values(), *joined.tables.values()]
+    kept += [then for _, then in joined.sources.values()]
+    return kept + (list(joined.buffers.tensors.values()) if joined.buffers is not None else [])
 
 
 def _joined(grafts: list[Values], kind: tuple) -> Joined:
@@ -221,11 +294,11 @@ def _padding(lengths: list[int], table: torch.Tensor) -> torch.Tensor:
 
 def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
     """Per ``(layer, joined)``, whether a base value under an entry is no longer the one the values were taken against
-    (they move with it: by rounding, and wholly at an entry stored exactly; a write through ``.data`` moves no version
-    counter, so the values are compared, bit for bit: a NaN under an entry equals itself, where compared as floats it
-    differed on every batch and every batch built the layer's values again). One gather per tensor, then one
-    comparison and one read per device and dtype (on a GPU each read waits for its queue); per layer only where some
-    differ."""
+    (they move with it: by rounding, and wholly at an entry stored exactly), or a graft's own value there is no longer
+    the one they were built from. A write through ``.data`` moves no version counter, so the values are compared, bit
+    for bit: a NaN under an entry equals itself, where compared as floats it differed on every batch and every batch
+    built the layer's values again. One gather per base tensor, one comparison per device and dtype, and one read per
+    device (on a GPU each read waits for its queue); per layer only where some differ."""
     parts: dict[tuple, tuple[list, list, list]] = {}  # (device, dtype) -> (values now, values then, layer numbers)
     for number, (layer, joined) in enumerate(layers):
         for attr, at in joined.at.items():
@@ -234,11 +307,20 @@ def _changed_layers(layers: list[tuple[nn.Module, Joined]]) -> list[bool]:
             now_.append(layer.base_layer._parameters[attr].data.take(at))
             then_.append(then)
             numbers.append(number)
+        for key, (live, then) in joined.sources.items():
+            now_, then_, numbers = parts.setdefault(key, ([], [], []))
+            now_.extend(live)
+            then_.append(then)
+            numbers.append(number)
     changed = [False] * len(layers)
-    for now_, then_, numbers in parts.values():
-        differs = as_bits(torch.cat(now_)) != as_bits(torch.cat(then_))
-        if differs.any().item():
-            for number, part in zip(numbers, differs.split([t.numel() for t in then_]), strict=True):
+    compared = {key: as_bits(torch.cat(now_)) != as_bits(torch.cat(then_)) for key, (now_, then_, _) in parts.items()}
+    for device in {device for device, _ in compared}:  # one read per device, whatever the dtypes
+        keys = [key for key in compared if key[0] == device]
+        if not torch.stack([compared[key].any() for key in keys]).any().item():
+            continue
+        for key in keys:
+            _, then_, numbers = parts[key]
+            for number, part in zip(numbers, compared[key].split([t.numel() for t in then_]), strict=True):
                 changed[number] = changed[number] or bool(part.any())
     return changed
 
@@ -259,6 +341,7 @@ class LayerDelta:
     bias: torch.Tensor | None
     shape: tuple[int, int, bool]  # the layer's, as linear_shape gives it
     density: float = 0.0  # the largest share of the weight's entries one graft holds
+    scratch: Scratch | None = None  # where the intermediate results go (None: new tensors)
 
     def forward(self, base: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``base``'s output on ``x`` with each example's graft, computed as the base layer computes its own (``addmm``
@@ -286,36 +369,60 @@ class LayerDelta:
         batch_size, tokens = x.shape[0], math.prod(x.shape[1:-1])
         x3 = x.reshape(batch_size, tokens, x.shape[-1])
         out3 = out.view(batch_size, tokens, out.shape[-1])
-        values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1))
-        values = values.to(self.weight.dtype) * self.weight[:, None]
+        scratch = self.scratch or Scratch(x.device)
+        shape = (batch_size, tokens, self.weight.shape[1])
+        values = torch.gather(x3, 2, self.columns[:, None].expand(-1, tokens, -1), out=scratch.get("x", shape, x.dtype))
+        values = _cast(values, self.weight.dtype, scratch, "products").mul_(self.weight[:, None])
         if self.padding is not None:  # x * 0 is not 0 where x is infinite
             values.masked_fill_(self.padding[:, None], 0.0)
-        values = torch.gather(values.to(out.dtype), 2, self.by_row[:, None].expand(-1, tokens, -1))
-        out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), values)
+        values = _cast(values, out.dtype, scratch, "cast")
+        ordered = scratch.get("by_row", shape, out.dtype)
+        torch.gather(values, 2, self.by_row[:, None].expand(-1, tokens, -1), out=ordered)
+        out3.scatter_add_(2, self.rows[:, None].expand(-1, tokens, -1), ordered)
         return out
 
 
-def _rows(joined: Joined, numbers: torch.Tensor, name: str) -> torch.Tensor:
-    """The rows of ``joined``'s table ``name`` for each example (``numbers``: per example, its graft's position in
-    the joined order, the number of grafts for none)."""
-    return joined.tables[name].index_select(0, numbers)
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, scratch: Scratch, name: str) -> torch.Tensor:
+    """``tensor`` in ``dtype``: itself where it has it, else a copy into ``scratch``'s tensor ``name``."""
+    if tensor.dtype == dtype:
+        return tensor
+    return scratch.get(name, tuple(tensor.shape), dtype).copy_(tensor)
 
 
 def _layer_delta(
-    layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor, shape: tuple[int, int, bool]
+    layer: nn.Module,
+    joined: Joined,
+    graft: tuple[int, ...],
+    numbers: torch.Tensor,
+    shape: tuple[int, int, bool],
+    buffers: Buffers | None = None,
+    scratch: Scratch | None = None,
 ) -> LayerDelta:
-    """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host; ``shape``: the layer's)."""
+    """A linear layer's :class:`LayerDelta` for a batch (``graft``: ``numbers`` on the host; ``shape``: the layer's;
+    ``buffers`` and ``scratch``: where its tensors and its forward's intermediate results go, new ones if None)."""
+    buffers = buffers or Buffers(len(graft), numbers.device)
     counts = joined.lengths("weight")
     width = joined.tables["weight"].shape[1]
-    columns, rows, by_row = joined.tables["indices"].index_select(1, numbers).unbind(0)
-    weight = _rows(joined, numbers, "weight")
+    if buffers.graft != graft:
+        for name, dim in (("indices", 1), ("weight", 0), ("padding", 0)):
+            _select(joined.tables[name], dim, numbers, buffers, name)
+    columns, rows, by_row = buffers.tensors["indices"].unbind(0)
     padded = any(counts[number] < width for number in graft)
-    padding = _rows(joined, numbers, "padding") if padded else None
+    padding = buffers.tensors["padding"] if padded else None
     bias = layer.base_layer.bias
     if "bias" in joined.at:
-        bias = _copies(bias, joined, "bias").index_select(0, numbers)
+        bias = _select(_copies(bias, joined, "bias", buffers), 0, numbers, buffers, "bias")
     density = max(counts) / (shape[0] * shape[1])
-    return LayerDelta(columns, rows, by_row, weight, padding, None if bias is None else bias.data, shape, density)
+    weight = buffers.tensors["weight"]
+    bias = None if bias is None else bias.data
+    return LayerDelta(columns, rows, by_row, weight, padding, bias, shape, density, scratch)
+
+
+def _select(table: torch.Tensor, dim: int, numbers: torch.Tensor, buffers: Buffers, name: str) -> torch.Tensor:
+    """The rows of ``table`` along ``dim`` for each example (``numbers``: per example, its graft's position in the
+    joined order, the number of grafts for none), into ``buffers``' tensor ``name``."""
+    shape = (*table.shape[:dim], numbers.numel(), *table.shape[dim + 1 :])
+    return torch.index_select(table, dim, numbers, out=buffers.get(name, shape, table.dtype))
 
 
 EXACT_WITH_EXAMPLE_PARAMETERS = "_example_parameters_exact"
@@ -352,18 +459,23 @@ class ExampleParameters:
         return out
 
 
-def _copies(tensor: torch.Tensor, joined: Joined, attr: str) -> torch.Tensor:
+def _copies(tensor: torch.Tensor, joined: Joined, attr: str, buffers: Buffers) -> torch.Tensor:
     """``(grafts + 1, features)``: a copy of the vector ``tensor`` per graft with its values written in (``attr``: its
-    name; the last row: the base as it is), taken from the base on every batch."""
-    copies = tensor.data.expand(joined.grafts + 1, tensor.shape[-1]).clone()
+    name; the last row: the base as it is), taken from the base on every batch, into ``buffers``."""
+    copies = buffers.get(f"copies_{attr}", (joined.grafts + 1, tensor.shape[-1]), tensor.dtype)
+    copies.copy_(tensor.data.expand(joined.grafts + 1, tensor.shape[-1]))
     if attr in joined.at:
         copies.index_put_((joined.tables[f"owner_{attr}"], joined.at[attr]), joined.value[attr])
     return copies
 
 
-def _example_parameters(layer: nn.Module, joined: Joined, numbers: torch.Tensor, features: int) -> ExampleParameters:
+def _example_parameters(
+    layer: nn.Module, joined: Joined, numbers: torch.Tensor, features: int, buffers: Buffers
+) -> ExampleParameters:
     parameters = layer.base_layer._parameters
-    tensors = {attr: _copies(parameters[attr], joined, attr).index_select(0, numbers) for attr in joined.at}
+    tensors = {
+        attr: _select(_copies(parameters[attr], joined, attr, buffers), 0, numbers, buffers, attr) for attr in joined.at
+    }
     return ExampleParameters(tensors, features)
 
 
@@ -384,6 +496,7 @@ class LayerNormColumns:
     bias: torch.Tensor
     empty: torch.Tensor | None
     features: int
+    scratch: Scratch | None = None  # where the intermediate results go (None: new tensors)
 
     def forward(self, layer: nn.Module, x: torch.Tensor, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
         base = layer.base_layer
@@ -393,32 +506,60 @@ class LayerNormColumns:
         batch_size = x.shape[0]
         x3, out3 = x.reshape(batch_size, -1, self.features), out.view(batch_size, -1, self.features)
         columns = self.columns[:, None].expand(-1, x3.shape[1], -1)
-        normalized = (torch.gather(x3, 2, columns) - mean.view(batch_size, -1, 1)) * rstd.view(batch_size, -1, 1)
-        values = normalized * self.weight[:, None].to(x.dtype) + self.bias[:, None].to(x.dtype)
+        scratch = self.scratch or Scratch(x.device)
+        values = torch.gather(x3, 2, columns, out=scratch.get("x", tuple(columns.shape), x.dtype))
+        values.sub_(mean.view(batch_size, -1, 1)).mul_(rstd.view(batch_size, -1, 1))
+        weight, bias = (
+            _cast(t, x.dtype, scratch, f"{name}_cast") for name, t in (("w", self.weight), ("b", self.bias))
+        )
+        values.mul_(weight[:, None]).add_(bias[:, None])
         if self.empty is not None:
-            values = torch.where(self.empty[:, None, None], torch.gather(out3, 2, columns), values)
+            kept = torch.gather(out3, 2, columns, out=scratch.get("kept", tuple(columns.shape), x.dtype))
+            values = torch.where(self.empty[:, None, None], kept, values, out=kept)
         return out3.scatter_(2, columns, values).view_as(out)
 
 
-def _layer_norm_columns(layer: nn.Module, joined: Joined, graft: tuple[int, ...], numbers: torch.Tensor):
+def _layer_norm_columns(
+    layer: nn.Module,
+    joined: Joined,
+    graft: tuple[int, ...],
+    numbers: torch.Tensor,
+    buffers: Buffers | None = None,
+    scratch: Scratch | None = None,
+) -> LayerNormColumns:
     base = layer.base_layer
+    buffers = buffers or Buffers(len(graft), numbers.device)
     columns = joined.tables["columns"]
-    weight = _copies(base.weight, joined, "weight").gather(1, columns).index_select(0, numbers)
-    if base.bias is None:
-        bias = torch.zeros_like(weight)
-    else:
-        bias = _copies(base.bias, joined, "bias").gather(1, columns).index_select(0, numbers)
+    if buffers.graft != graft:
+        _select(columns, 0, numbers, buffers, "columns")
+        _select(joined.tables["empty"], 0, numbers, buffers, "empty")
+    tables = {}
+    for attr in ("weight", "bias"):
+        tensor = getattr(base, attr)
+        if tensor is None:  # no bias: zeros
+            tables[attr] = buffers.get(attr, tuple(buffers.tensors["columns"].shape), tables["weight"].dtype).zero_()
+            continue
+        copies = _copies(tensor, joined, attr, buffers)
+        picked = torch.gather(
+            copies, 1, columns, out=buffers.get(f"{attr}_columns", tuple(columns.shape), copies.dtype)
+        )
+        tables[attr] = _select(picked, 0, numbers, buffers, attr)
     entries = joined.lengths(*joined.counts)
-    empty = _rows(joined, numbers, "empty") if any(entries[n] == 0 for n in graft) else None  # rows of padding only
-    return LayerNormColumns(columns.index_select(0, numbers), weight, bias, empty, base.normalized_shape[0])
+    empty = buffers.tensors["empty"] if any(entries[n] == 0 for n in graft) else None  # rows of padding only
+    features = base.normalized_shape[0]
+    return LayerNormColumns(buffers.tensors["columns"], tables["weight"], tables["bias"], empty, features, scratch)
 
 
 def prepare(
-    layers: list[tuple[nn.Module, list[str], list[str]]],
+    layers: list[tuple[nn.Module, list[str], list[str]]], scratch: dict[torch.device, Scratch] | None = None
 ) -> list[LayerDelta | LayerNormColumns | ExampleParameters | None]:
     """For each ``(layer, its grafts in the batch, the batch's graft per example)``, what the mode runs it with (None:
     the exact path), built for every layer at once, so that the base values of every layer are compared with one
-    read per device, and each example's row numbers are sent to it in one copy per device."""
+    read per device, and each example's row numbers are sent to it in one copy per device, where they changed since
+    the layer's last batch. Written into each layer's :class:`Buffers`, the layers' calls then using ``scratch`` (the
+    model's, per device); a batch nested inside another, which must leave the outer batch's alone, passes None: its
+    buffers are its own, not kept."""
+    kept = scratch is not None
     found, results = [], [None] * len(layers)
     for number, (layer, holders, names) in enumerate(layers):
         kind = _kind(layer.base_layer)
@@ -430,19 +571,26 @@ def prepare(
             graft = tuple(position.get(name, len(holders)) for name in names)
             found.append((number, layer, holders, kind, joined, graft))
     changed = _changed_layers([(layer, joined) for _, layer, _, _, joined, _ in found])
-    numbers = _on_devices({(graft, joined.device) for *_, joined, graft in found})
+    ready = []
     for (number, layer, holders, kind, joined, graft), again in zip(found, changed, strict=True):
         if again:  # rare: built again against the base as it is now
             joined = _joined_for(layer, holders, kind, rebuild=True)
             if joined is None:
                 continue
-        on_device = numbers[graft, joined.device]
+        ready.append((number, layer, kind, joined, graft, _buffers(joined, len(graft), joined.device, kept)))
+    numbers = _on_devices({(graft, buffers.device) for *_, graft, buffers in ready if buffers.graft != graft})
+    for number, layer, kind, joined, graft, buffers in ready:
+        on_device = buffers.get("numbers", (len(graft),), torch.int64)
+        if buffers.graft != graft:
+            on_device.copy_(numbers[graft, buffers.device])
+        pool = None if scratch is None else scratch.setdefault(buffers.device, Scratch(buffers.device))
         if kind[0] == "linear":
-            results[number] = _layer_delta(layer, joined, graft, on_device, kind[1])
+            results[number] = _layer_delta(layer, joined, graft, on_device, kind[1], buffers, pool)
         elif kind[0] == "layer_norm":
-            results[number] = _layer_norm_columns(layer, joined, graft, on_device)
+            results[number] = _layer_norm_columns(layer, joined, graft, on_device, buffers, pool)
         else:
-            results[number] = _example_parameters(layer, joined, on_device, kind[1])
+            results[number] = _example_parameters(layer, joined, on_device, kind[1], buffers)
+        buffers.graft = graft
     return results
 
 
@@ -467,18 +615,41 @@ def _joined_for(layer: nn.Module, holders: list[str], kind: tuple, rebuild: bool
         return None
     for plan in plans:
         if rebuild or plan.sparse_delta is None or plan.sparse_delta[0] != kind:
+            sources = _graft_sources(plan)  # before the values: a later write then shows as a change
             values = graft_values(plan, kind, parameters[0].device)
             own = all(parameters_ is layer.base_layer._parameters for parameters_, *_ in plan.writes)
-            plan.sparse_delta = (kind, values if own else None)
-    values = [plan.sparse_delta[1] for plan in plans]
-    if any(value is None for value in values) or not any(values):
+            plan.sparse_delta = (kind, (values, sources) if own and values is not None else None)
+    if any(plan.sparse_delta[1] is None for plan in plans):
+        return None
+    values = [plan.sparse_delta[1][0] for plan in plans]
+    if not any(values):
         return None
     cached = layer.__dict__.get(_JOINED, ((), None))  # the last batch's, while its grafts' values are the same objects
     if len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values, strict=True)):
         return cached[1]
     joined = _joined(values, kind)
+    for key, live, then in _by_device_and_dtype([pair for plan in plans for pair in plan.sparse_delta[1][1]]):
+        joined.sources[key] = (live, torch.cat(then))
     layer.__dict__[_JOINED] = (values, joined)
     return joined
+
+
+def _graft_sources(plan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The graft's own values that its one-graft in-place ``plan`` writes (views of the graft tensors: the deltas and
+    the values stored exactly), each with a copy of it now."""
+    return [
+        (t, t.detach().clone()) for *_, entries, _, _ in plan.writes for t in (entries[1], entries[2][1]) if t.numel()
+    ]
+
+
+def _by_device_and_dtype(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[tuple, list, list]]:
+    """``pairs`` grouped by the device and dtype of their first tensor: ``(key, first tensors, second tensors)``."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for first, second in pairs:
+        group = groups.setdefault((first.device, first.dtype), ([], []))
+        group[0].append(first)
+        group[1].append(second)
+    return [(key, *group) for key, group in groups.items()]
 
 
 _JOINED = "_sparse_delta_joined"
