@@ -201,17 +201,17 @@ def mixed_variants(model, lora, inputs: dict, distinct: int, modes: tuple[str, .
 
 
 def default_mode() -> str:
-    """The mode a graft model's mixed batches run in when none was set: the library's default, read off a fresh graft
-    model of a tiny RoBERTa (``GraftModel.mixed_batch_mode`` where set, else ``"exact"``, the fallback of
-    ``peft_graft/tuner/mixed_batch.py``)."""
+    """The mode a graft model's mixed batches run in when none was set, read off a fresh graft model of a tiny
+    RoBERTa as a mixed batch reads it: the tuner's ``mixed_batch_mode`` where set, else ``DEFAULT_MIXED_BATCH_MODE``
+    of ``peft_graft/tuner/mixed_batch.py``."""
     from peft import get_peft_model
     from transformers import RobertaConfig
 
-    from peft_graft.tuner import mixed_batch
+    from peft_graft.tuner.mixed_batch import DEFAULT_MIXED_BATCH_MODE
 
     pre, finetuned = make_pair(config=RobertaConfig(**TINY_ROBERTA))
     model = get_peft_model(pre, region_graft_config(finetuned, 1e-2, seed=0))
-    return getattr(model.base_model, "mixed_batch_mode", None) or getattr(mixed_batch, "DEFAULT_MODE", "exact")
+    return model.base_model.__dict__.get("mixed_batch_mode", DEFAULT_MIXED_BATCH_MODE)
 
 
 def mode_variant(mode: str) -> str:
