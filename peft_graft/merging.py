@@ -10,6 +10,13 @@
   ``lambda``, one number or one per graft) and ``density``.
 * ``"consensus_ta"``, ``"consensus_ties"`` (Consensus merging, Wang et al., ICML 2024): task arithmetic or TIES on the
   task vectors after dropping the entries that fewer than ``consensus_k`` tasks' TALL masks hold.
+* ``"wudi"``, ``"wudi_adam"`` (WUDI-Merging, Cheng et al., ICML 2025) and ``"regmean"`` (RegMean, Jin et al., ICLR
+  2023): rules on whole tensors (:mod:`peft_graft.merge_rules`); RegMean takes each task's input Gram matrices
+  (``grams``, :func:`peft_graft.input_statistics.input_grams`). Their merged body holds whole matrices.
+
+``lines=(alpha, beta)`` scales task arithmetic's, TIES's and the Consensus rules' merged vector per block (LiNeS, Wang
+et al., ICLR 2025); ``scale`` scales a stitch. A :class:`TaskVectorStack` holds the grafts' task vectors stacked once,
+for many merges of the same grafts (``stack=``); :func:`task_vector_norms` gives each task's norm per layer type.
 
 peft applies these functions tensor by tensor (to one LoRA delta at a time); here they get each task's *whole* task
 vector at once, flattened over the union of the grafts' entries, so that TIES's magnitude trim keeps the top

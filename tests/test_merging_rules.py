@@ -139,6 +139,19 @@ def test_task_vector_norms_per_task_and_layer_type(pre, folders):  # noqa: F811
     assert layer_type("bert.encoder.layer.11.output.dense.weight") == "bert.encoder.layer.output.dense.weight"
 
 
+def test_tensor_rules_never_hold_an_excluded_entry(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "full")
+    layout = build_layout(model.base_model.model)
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    exclude = Region({name: torch.arange(0, 1024, 3)})
+    merge_grafts(model, list(TASKS), "wudi", exclude=exclude)
+    merge_grafts(model, list(TASKS), "wudi", "all")
+    held = model.base_model.get_region("merged")
+    assert not torch.isin(exclude[name], held[name]).any()  # excluded: never merged
+    assert held[name].numel() == layout.tensors[name].parameter.numel() - exclude[name].numel()
+    assert model.base_model.get_region("all")[name].numel() == layout.tensors[name].parameter.numel()
+
+
 @pytest.mark.parametrize(("rule", "options"), [("ties", dict(weights=0.7, density=0.3)), ("wudi", {}),
                                                ("dare_linear", dict(weights=0.5, density=0.5, seed=3))])  # fmt: skip
 def test_a_stack_built_once_gives_identical_merges(pre, folders, rule, options):  # noqa: F811
