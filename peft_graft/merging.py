@@ -405,9 +405,10 @@ class TaskVectorStack:
     (``merge_grafts(..., stack=stack)``): per graft layer, the union of the grafts' flat indices, their values stacked
     ``(num_grafts, n)`` (NaN where a graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere).
 
-    It records each graft's tensors as it read them (held, with their in-place version counters); a merge given a stack
-    whose grafts have changed since (a region set again, values written in place, an adapter deleted and loaded again)
-    is refused, naming the graft: build the stack again.
+    It records each graft's tensors as it read them (held, with their in-place version counters) and a checksum of
+    their entries; a merge given a stack whose grafts' entries have changed since (a region set again, values written
+    in place, an adapter deleted and loaded with others) is refused, naming the graft: build the stack again. Entries
+    held anew but unchanged (a packed adapter unpacked by a forward) are checked by their checksum and accepted.
     """
 
     def __init__(self, model: PeftModel, grafts: Mapping[str, str] | Sequence[str], exclude: Region | None = None):
@@ -421,6 +422,7 @@ class TaskVectorStack:
         _check_grafts(tuner, self.names)
         self.model, self.exclude = model, exclude
         self.stamps = _stamps(tuner, list(self.names.values()))
+        self.digests = {key: _digest(tuner, *key) for key in self.stamps}
         self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
         self._flat: torch.Tensor | None = None
 
@@ -444,15 +446,32 @@ class TaskVectorStack:
                              "same grafts (task -> adapter, in the same order) or build another stack.")  # fmt: skip
         if (exclude is None) != (self.exclude is None) or (exclude is not None and exclude != self.exclude):
             raise ValueError("The TaskVectorStack was built with another exclude: build it with this one.")
-        current = _stamps(_graft_tuner(model), list(names.values()))
+        tuner = _graft_tuner(model)
+        current = _stamps(tuner, list(names.values()))
         for key, (tensors, stamp) in self.stamps.items():
             now = current[key]
-            if now[1] != stamp or any(a is not b for a, b in zip(now[0], tensors, strict=True)):
+            if now[1] == stamp and all(a is b for a, b in zip(now[0], tensors, strict=True)):
+                continue
+            if _digest(tuner, *key) == self.digests[key]:  # held anew, the same entries (unpacked on a forward, say)
+                self.stamps[key] = now
+            else:
                 task = next(t for t, n in names.items() if n == key[1])
                 raise ValueError(
                     f"Graft {key[1]!r} (task {task!r}) changed in {key[0]!r} since the TaskVectorStack was built: "
                     "its stacked task vector is stale. Build the stack again (TaskVectorStack(model, grafts))."
                 )
+
+
+def _digest(tuner: GraftModel, module: str, name: str) -> str:
+    """A checksum of one graft's entries in one layer (indices, fp32 values, exact entries), however they are held."""
+    layer = tuner.model.get_submodule(module)
+    if layer.learner(name) is not None:
+        return "learning"  # refused by the merge's checks anyway
+    indices, values = layer.entries(name)
+    positions, targets = layer.exact_entries(name)
+    parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
+             "targets": targets.float()}  # fmt: skip
+    return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, {})
 
 
 def _stamps(tuner: GraftModel, names: list[str]) -> dict[tuple[str, str], tuple[tuple, tuple]]:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import run_merge  # noqa: E402
 
+STACKS_BUILT: list[tuple[str, ...]] = []
 RULES = ("stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties",
          "wudi", "wudi_adam", "regmean", "task_arithmetic_lines", "ties_lines", "consensus_ta_lines",
          "consensus_ties_lines", "stitch_scaled_ls", "stitch_scaled_learned")  # fmt: skip
@@ -44,7 +45,18 @@ def smoke(encoder, tmp_path_factory):
             "--regmean_alphas", "0.9", "--regmean_examples", "8", "--lines_alphas", "1.0", "--lines_betas", "0.5",
             "--stitch_scales", "1.0", "1.5",
             "--work_dir", str(root / "work"), "--report_dir", str(root / "report")]  # fmt: skip
-    return argv, root, run_merge.main(argv)
+    original = run_merge.TaskVectorStack
+
+    class Counted(original):  # records each stack run_merge builds (merge_grafts' own, per merge, are not counted)
+        def __init__(self, model, grafts, exclude=None):
+            STACKS_BUILT.append(tuple(grafts.values()))
+            super().__init__(model, grafts, exclude)
+
+    run_merge.TaskVectorStack = Counted
+    try:
+        return argv, root, run_merge.main(argv)
+    finally:
+        run_merge.TaskVectorStack = original
 
 
 def test_each_task_has_its_own_frozen_head_and_a_loss_over_its_own_classes(encoder):
@@ -143,6 +155,8 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
     summary = (root / "report" / "summary.md").read_text()
     assert "avg normalized acc" in summary and "served: each task's full graft" in summary and "Dev grid" in summary
     assert "sparse_delta" in summary and "Task-vector norms" in summary and "RegMean" in summary
+    kinds = [stack[0].split("_", 1)[1] for stack in STACKS_BUILT]  # adapters "<task>_<kind>"
+    assert sorted(kinds) == ["disjoint", "full", "learned", "ls"]  # each kind's task vectors stacked once
     again = run_merge.main(argv)  # everything saved: the same numbers, nothing recomputed
     assert again["merge"]["test"] == merge["test"] and again["individual"] == results["individual"]
     assert again["merge"]["serving"] == served

@@ -168,21 +168,27 @@ def test_a_changed_graft_is_not_served_from_a_stale_stack(pre, folders):  # noqa
     model = loaded(pre, folders, "sparse")
     stack = TaskVectorStack(model, list(TASKS))
     merge_grafts(model, list(TASKS), "stitch", "before", stack=stack)
-    layer = next(iter(model.base_model.graft_layers().values()))
-    layer.unpack("b")  # its own tensors, then written in place
-    stack = TaskVectorStack(model, list(TASKS))
+    model.set_adapter("b")
     with torch.no_grad():
-        layer.graft_values["b"].mul_(2.0)
+        model(input_ids())  # a forward unpacks the loaded (packed) adapter: held anew, the same entries
+    merge_grafts(model, list(TASKS), "stitch", "unpacked", stack=stack)  # accepted: its entries did not change
+    assert torch.equal(*task_vectors(model, ["before", "unpacked"]))
+    layer = next(iter(model.base_model.graft_layers().values()))
+    layer.unpack("b")
+    with torch.no_grad():
+        layer.graft_values["b"].mul_(2.0)  # written in place
     with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
         merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
     assert "after" not in model.peft_config
     stack = TaskVectorStack(model, list(TASKS))
-    model.delete_adapter("c")  # deleted and loaded again: new tensors
-    model.load_adapter(folders["sparse", "c"], "c")
-    fresh = TaskVectorStack(model, list(TASKS))
+    model.delete_adapter("c")  # deleted and loaded again, from another graft
+    model.load_adapter(folders["full", "c"], "c")
     with pytest.raises(ValueError, match=r"Graft 'c' \(task 'c'\) changed"):
         merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+    fresh = TaskVectorStack(model, list(TASKS))
     merge_grafts(model, list(TASKS), "stitch", "after", stack=fresh)
+    merge_grafts(model, list(TASKS), "stitch", "unstacked")
+    assert torch.equal(*task_vectors(model, ["after", "unstacked"]))
     with pytest.raises(ValueError, match="holds the grafts"):
         merge_grafts(model, ["a", "b"], "stitch", "other", stack=fresh)
     with pytest.raises(ValueError, match="another exclude"):
