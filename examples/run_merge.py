@@ -15,12 +15,16 @@ The set-up (docs/merging.md says why):
   Localize-and-Stitch's localization (:class:`~peft_graft.LocalizeStitch`, the reference settings on ``localize_k_shot``
   examples per class); the same learned outside the earlier tasks' regions (*disjoint*: regions that do not collide);
   and the grafting trainer (``MaskTrainer``, ``--fraction`` of the parameters, selected on dev).
-* **Rules** (:func:`peft_graft.merging.merge_grafts`): stitch on each kind of region, stitch_dataless, task
-  arithmetic, TIES, DARE-TIES, DARE-linear, Consensus TA and Consensus TIES; every setting chosen on the dev sets (mean
-  dev accuracy) over a grid widened while its winner lies on an edge it can move (``--max_widen`` times), never on test.
-* **Serve, don't merge**: each task's exact (full) graft, and its L&S graft, served in mixed batches
-  (``adapter_names``), with the forward cost of a mixed batch and of the best merged model against the base model's
-  (paired ratios, alternating in one process).
+* **Rules** (:func:`peft_graft.merging.merge_grafts`): stitch on each kind of region (and with a scale of its own),
+  stitch_dataless, task arithmetic, TIES, DARE-TIES, DARE-linear, Consensus TA and Consensus TIES (each of TA, TIES and
+  the Consensus rules also with LiNeS's per-layer scaling), WUDI (closed form, and the reference's Adam form) and
+  RegMean (on each task's input Gram matrices over ``--regmean_examples`` unlabelled training inputs); every setting
+  chosen on the dev sets (mean dev accuracy) over a grid widened while its winner lies on an edge it can move
+  (``--max_widen`` times), never on test. Each kind's task vectors are stacked once (:class:`TaskVectorStack`) for all
+  its merges; each merge's time is reported, and each task's task-vector norm per layer type.
+* **Serve, don't merge**: each task's exact (full) graft, its L&S graft and its MaskTrainer graft served in mixed
+  batches (``adapter_names``), with the forward cost of a mixed batch (in the ``"exact"`` and ``"sparse_delta"`` mixed
+  batch modes) and of the best merged model against the base model's (paired ratios, alternating in one process).
 
 Writes ``summary.md``, ``results.json`` and figures to ``--report_dir``; every fine-tune, region and score is saved in
 ``--work_dir`` as it lands, and a rerun skips what is done.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import logging
 import os
@@ -63,7 +68,8 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from peft_graft import GraftConfig, LocalizeStitch, Region
 from peft_graft.analysis import overlap_matrix, plot_region_matrix
 from peft_graft.calibration import calibration_report, save_figure
-from peft_graft.merging import MergedGraft, merge_grafts
+from peft_graft.input_statistics import input_grams
+from peft_graft.merging import MergedGraft, TaskVectorStack, merge_grafts, task_vector_norms
 
 logger = logging.getLogger("run_merge")
 
@@ -120,6 +126,21 @@ class MergeArguments:
         metadata={"help": "Grid of stitch_dataless's density (each task's top of |tau|, of the moved entries)."},
     )
     consensus_k: int = field(default=2, metadata={"help": "Consensus: tasks whose TALL masks must hold an entry."})
+    regmean_alphas: list[float] = field(
+        default_factory=lambda: [0.5, 0.7, 0.9], metadata={"help": "Grid of RegMean's off-diagonal scale (<= 1)."}
+    )
+    regmean_examples: int = field(
+        default=256, metadata={"help": "RegMean: unlabelled training inputs per task for its Gram matrices."}
+    )
+    lines_alphas: list[float] = field(
+        default_factory=lambda: [0.5, 0.75, 1.0], metadata={"help": "Grid of LiNeS's alpha (the first block's scale)."}
+    )
+    lines_betas: list[float] = field(
+        default_factory=lambda: [0.25, 0.5, 1.0], metadata={"help": "Grid of LiNeS's beta (added up to the last)."}
+    )
+    stitch_scales: list[float] = field(
+        default_factory=lambda: [1.0, 1.5, 2.0], metadata={"help": "Grid of the scaled stitch's scale."}
+    )
     max_widen: int = field(
         default=2, metadata={"help": "Times a grid axis is extended while its winner is on an edge."}
     )
@@ -308,7 +329,20 @@ def run_key(run: Runner, args: MergeArguments, merging: bool = False) -> str:
     tasks merged, the grids, Consensus's k): a rerun with other values scores afresh."""
     fields = ("logit_scale", "fraction", "ls_sparsity", "ls_sigmoid_bias", "ls_lr", "ls_l1", "model_name_or_path")
     if merging:
-        fields += ("tasks", "lambdas", "densities", "tall_lambdas", "dataless_densities", "consensus_k", "max_widen")
+        fields += (
+            "tasks",
+            "lambdas",
+            "densities",
+            "tall_lambdas",
+            "dataless_densities",
+            "consensus_k",
+            "max_widen",
+            "regmean_alphas",
+            "regmean_examples",
+            "lines_alphas",
+            "lines_betas",
+            "stitch_scales",
+        )
     return json.dumps({**run.settings, "seed": run.seed, **{f: getattr(args, f) for f in fields}}, sort_keys=True)
 
 
@@ -326,9 +360,11 @@ class Evaluator:
         """``build()`` adds the merged adapter and returns its MergedGraft; scored on ``split`` ("dev"/"test")."""
         cache_key = f"{label} | {split}"
         if cache_key not in self.cache:
+            start = time.perf_counter()
             merged = build()
+            seconds = time.perf_counter() - start
             self.model.set_adapter(merged.adapter_name)  # merge_grafts adds the adapter; it scores only when active
-            scores = {"entries": merged.num_entries, "bytes": merged.nbytes["total"]}
+            scores = {"entries": merged.num_entries, "bytes": merged.nbytes["total"], "merge_seconds": seconds}
             for name in merged.tasks:
                 scores[name] = self.score(name, split)
             self.model.delete_adapter(merged.adapter_name)
@@ -357,7 +393,9 @@ def short(scores: dict) -> dict:
 
 
 def label_of(rule: str, options: dict) -> str:
-    return rule + "".join(f" {k}={v:g}" for k, v in options.items() if k not in ("seed", "consensus_k"))
+    shown = {k: v for k, v in options.items() if k not in ("seed", "consensus_k", "kind")}
+    kind = f" ({options['kind']})" if "kind" in options else ""
+    return rule + kind + "".join(f" {k}={v:g}" for k, v in shown.items())
 
 
 def mean_accuracy(scores: dict, names) -> float:
@@ -378,9 +416,10 @@ def extend(values: list[float], best: float, upper: float | None) -> list[float]
 def tune(evaluate, build, rule: str, axes: dict[str, list[float]], fixed: dict, names, max_widen: int) -> dict:
     """The best setting of ``rule`` on dev over ``axes`` (name -> values), each axis widened up to ``max_widen`` times
     while the winner is on its edge; returns the winner, its label, the axes tried and the edges it still lies on."""
-    uppers = {"weights": None, "density": 1.0, "tall_lambda": 1.0}  # above 1 two TALL masks rarely agree on an entry
+    uppers = {"weights": None, "density": 1.0, "tall_lambda": 1.0,  # above 1 two TALL masks rarely agree on an entry
+              "regmean_alpha": 1.0, "lines_alpha": None, "lines_beta": None, "scale": None}  # fmt: skip
     axes = {axis: sorted(values) for axis, values in axes.items()}
-    widened = dict.fromkeys(axes, 0)
+    widened, tried = dict.fromkeys(axes, 0), []
     while True:
         settings = [dict(zip(axes, combo, strict=True)) for combo in _product(list(axes.values()))]
         scored = []
@@ -388,6 +427,7 @@ def tune(evaluate, build, rule: str, axes: dict[str, list[float]], fixed: dict, 
             options = {**fixed, **setting}
             label = label_of(rule, options)
             scored.append((mean_accuracy(evaluate(label, "dev", build(rule, **options)), names), label, setting))
+        tried += [label for _, label, _ in scored if label not in tried]
         best_accuracy, best_label, best = max(scored, key=lambda item: item[0])
         grown = False
         for axis, values in axes.items():
@@ -396,8 +436,8 @@ def tune(evaluate, build, rule: str, axes: dict[str, list[float]], fixed: dict, 
                 axes[axis], widened[axis], grown = more, widened[axis] + 1, True
         if not grown:
             edges = [a for a, v in axes.items() if len(v) > 1 and best[a] in (min(v), max(v))]
-            return {"options": {**fixed, **best}, "label": best_label, "dev": best_accuracy, "axes": axes,
-                    "edges": edges}  # fmt: skip
+            return {"rule": rule, "options": {**fixed, **best}, "label": best_label, "dev": best_accuracy,
+                    "axes": axes, "edges": edges, "tried": tried}  # fmt: skip
 
 
 def _product(lists: list[list[float]]) -> list[tuple]:
@@ -425,9 +465,19 @@ def merge_all(args: MergeArguments, run: Runner, tasks: dict[str, Task], pre, he
     model = load_grafts(pre, run.work, names)
     evaluate = Evaluator(run, tasks, model, heads, key)
     sources = {kind: {n: f"{n}_{kind}" for n in names} for kind in ("full", *REGION_KINDS)}
+    stacks = Stacks(model, sources)
+    grams = functools.cache(lambda: regmean_grams(run, args, tasks, model, heads, sources["full"]))
 
     def build(rule: str, kind: str = "full", **options):
-        return functools.partial(merge_grafts, model, sources[kind], rule, **options)
+        """A merge of ``kind``'s grafts by ``rule``, run when called (scores are cached: most merges never run)."""
+        if "lines_alpha" in options:
+            options["lines"] = (options.pop("lines_alpha"), options.pop("lines_beta"))
+
+        def merge() -> MergedGraft:
+            extra = {"grams": grams()} if rule == "regmean" else {}  # the Gram matrices cost forwards: only if needed
+            return merge_grafts(model, sources[kind], rule, stack=stacks(kind), **options, **extra)
+
+        return merge
 
     full = functools.partial(build, kind="full")
     seed = {"seed": args.seed}
@@ -445,27 +495,77 @@ def merge_all(args: MergeArguments, run: Runner, tasks: dict[str, Task], pre, he
     ties_density = {"density": tuned["ties"]["options"]["density"], **consensus}  # TIES's own trim, then the grid
     grid = {"weights": lambdas, "tall_lambda": args.tall_lambdas}
     tuned["consensus_ties"] = tune(evaluate, full, "consensus_ties", grid, ties_density, names, w)
+    tuned["wudi"] = tune(evaluate, full, "wudi", {}, {}, names, w)  # data-free, no setting
+    tuned["wudi_adam"] = tune(evaluate, full, "wudi_adam", {}, {}, names, w)  # the reference's 400 Adam steps
+    tuned["regmean"] = tune(evaluate, full, "regmean", {"regmean_alpha": args.regmean_alphas}, {}, names, w)
+    lines = {"lines_alpha": args.lines_alphas, "lines_beta": args.lines_betas}
+    for rule in ("task_arithmetic", "ties", "consensus_ta", "consensus_ties"):  # LiNeS on each rule's chosen setting
+        tuned[f"{rule}_lines"] = tune(evaluate, full, rule, lines, tuned[rule]["options"], names, w)
+    for kind in ("ls", "learned"):
+        tuned[f"stitch_scaled_{kind}"] = tune(evaluate, build, "stitch", {"scale": args.stitch_scales}, {"kind": kind},
+                                              names, w)  # fmt: skip
     test = {}
     for kind in REGION_KINDS:
         test[f"stitch_{kind}"] = {
             "label": f"stitch ({kind})",
             **evaluate(f"stitch {kind}", "test", build("stitch", kind)),
         }
-    for rule, chosen in tuned.items():
-        test[rule] = {"label": chosen["label"], **evaluate(chosen["label"], "test", full(rule, **chosen["options"]))}
-    best = max(tuned, key=lambda rule: tuned[rule]["dev"])  # the best merge on dev, for the serving comparison
+    for name, chosen in tuned.items():
+        rule = chosen["rule"]
+        test[name] = {"label": chosen["label"], **evaluate(chosen["label"], "test", build(rule, **chosen["options"]))}
+    best = max(tuned, key=lambda name: tuned[name]["dev"])  # the best merge on dev, for the serving comparison
+    best_build = build(tuned[best]["rule"], **tuned[best]["options"])
+    norms = evaluate.cache.get("task vector norms")
+    if norms is None:
+        norms = task_vector_norms(model, stack=stacks("full"))
+        evaluate.store("task vector norms", norms)
     return {
         "tuned": tuned,
         "grid_dev": {k.removesuffix(" | dev"): v for k, v in evaluate.cache.items() if k.endswith(" | dev")},
         "test": test,
+        "norms": norms,
         "num_params": sum(p.numel() for p in pre.parameters()),
         "moved_entries": union(model, sources["full"].values()).num_entries,
         "regions": region_view(model, sources, names),
         "interference": interference(evaluate, model, sources["ls"], names),
-        "serving": serving(
-            run, args, tasks, model, heads, evaluate, sources, full(best, **tuned[best]["options"]), best
-        ),
+        "serving": serving(run, args, tasks, model, heads, evaluate, sources, best_build, best),
     }
+
+
+class Stacks:
+    """Each kind's task vectors stacked once (:class:`TaskVectorStack`) for all its merges; built when first asked for,
+    and again only if its grafts changed since (the merge would refuse a stale stack)."""
+
+    def __init__(self, model: PeftModel, sources: dict[str, dict[str, str]]) -> None:
+        self.model, self.sources, self.built = model, sources, {}
+
+    def __call__(self, kind: str) -> TaskVectorStack:
+        stack = self.built.get(kind)
+        if stack is not None:
+            try:
+                stack.check(self.model, self.sources[kind], None)
+            except ValueError:
+                stack = None
+        if stack is None:
+            stack = self.built[kind] = TaskVectorStack(self.model, self.sources[kind])
+        return stack
+
+
+def regmean_grams(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, adapters: dict) -> dict:
+    """Per task: the Gram matrices of each linear layer's inputs under the task's full graft (its fine-tune), over the
+    first ``--regmean_examples`` of its training inputs (labels unused)."""
+    out = {}
+    for name, task in tasks.items():
+        model.set_adapter(adapters[name])
+        set_head(model, heads[name])
+        data = task.train.select(range(min(args.regmean_examples, len(task.train))))
+        batches = []
+        for start in range(0, len(data), 32):
+            batch = run.collator(data.select(range(start, min(start + 32, len(data)))).to_list())
+            batch.pop("labels", None)
+            batches.append(batch)
+        out[name] = input_grams(model, batches, max_examples=args.regmean_examples)
+    return out
 
 
 def union(model: PeftModel, adapters) -> Region:
@@ -517,13 +617,17 @@ def interference(evaluate: Evaluator, model: PeftModel, ls: dict[str, str], name
 
 
 # ------------------------------------------------------------------------------------------ serving
+SERVED = ("full", "ls", "learned")  # each task's exact graft, its L&S graft, its MaskTrainer 1% graft
+MODES = ("exact", "sparse_delta")  # model.set_mixed_batch_mode
+
+
 def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, evaluate, sources, build_best, best):
-    """Each task's graft served in mixed batches (one graft per example, its head's logits only): accuracy, ECE,
-    storage; and the forward cost of a mixed batch and of the best merged model, each a median of paired ratios against
-    the base model's forward on the same batch, alternating in one process."""
+    """Each kind of task graft served in mixed batches (one graft per example, its head's logits only): accuracy, ECE,
+    storage; and the forward cost of a mixed batch of each kind in each mixed-batch mode and of the best merged model,
+    each a median of paired ratios against the base model's forward on the same batch, alternating in one process."""
     names = list(tasks)
     out = {}
-    for kind in ("full", "ls"):
+    for kind in SERVED:
         cached = evaluate.cache.get(f"served {kind} | test")
         if cached is None:
             cached = serve_mixed(run, tasks, model, heads, {n: sources[kind][n] for n in names})
@@ -533,7 +637,7 @@ def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, 
         out[kind] = cached
     cached = evaluate.cache.get("forward cost")
     if cached is None:
-        cached = forward_cost(run, tasks, model, heads, sources["full"], build_best, run.settings["timing_repeats"])
+        cached = forward_cost(run, tasks, model, heads, sources, build_best, run.settings["timing_repeats"])
         cached["merged_rule"] = best
         evaluate.store("forward cost", cached)
     out["forward_cost"] = cached
@@ -577,39 +681,48 @@ def serve_mixed(run: Runner, tasks: dict[str, Task], model: PeftModel, heads, ad
     return scores
 
 
-def forward_cost(run: Runner, tasks, model: PeftModel, heads, adapters: dict[str, str], build_best, repeats: int):
-    """Median (and quartiles) over ``repeats`` rounds of time(x) / time(base) on one mixed batch of 32 test examples:
-    x = the grafts served mixed (``adapter_names``), and the best merged body active (unmerged)."""
-    _, batch, adapter_names = next(mixed_batches(run, tasks, mixed_order(tasks), adapters))
+def forward_cost(run: Runner, tasks, model: PeftModel, heads, sources: dict, build_best, repeats: int) -> dict:
+    """Median (and quartiles) over ``repeats`` rounds of time(x) / time(base) on one mixed batch of 32 test examples,
+    each x timed right after a base forward: every :data:`SERVED` kind's grafts served mixed (``adapter_names``) in
+    each of :data:`MODES`, and the best merged body active (unmerged)."""
+    order = mixed_order(tasks)
+    _, batch, _ = next(mixed_batches(run, tasks, order, sources["full"]))
+    adapters = {kind: next(mixed_batches(run, tasks, order, sources[kind]))[2] for kind in SERVED}
     merged = build_best()
     set_head(model, torch.cat([heads[n] for n in tasks]))
-    timings = {"base": [], "served": [], "merged": []}
+    variants = [f"{kind} {mode}" for kind in SERVED for mode in MODES] + ["merged"]
+    timings = {name: [] for name in ("base", *variants)}
 
-    def timed(kind: str) -> None:
+    def timed(name: str) -> None:
+        if name == "merged":
+            model.set_adapter(merged.adapter_name)
+        elif name != "base":
+            model.set_mixed_batch_mode(name.split(" ")[1])
         start = time.perf_counter()
-        if kind == "base":
+        if name == "base":
             with model.disable_adapter():
                 model(**batch)
-        elif kind == "served":
-            model(**batch, adapter_names=adapter_names)
-        else:
-            model.set_adapter(merged.adapter_name)
+        elif name == "merged":
             model(**batch)
-        timings[kind].append(time.perf_counter() - start)
+        else:
+            model(**batch, adapter_names=adapters[name.split(" ")[0]])
+        timings[name].append(time.perf_counter() - start)
 
     with torch.no_grad():
-        for kind in ("base", "served", "merged"):  # warm-up
-            timed(kind)
-        timings = {kind: [] for kind in timings}
+        for name in timings:  # warm-up
+            timed(name)
+        timings = {name: [] for name in timings}
         for _ in range(repeats):
-            for kind in ("base", "served", "base", "merged"):
-                timed(kind)
+            for name in variants:
+                timed("base")
+                timed(name)
+    model.set_mixed_batch_mode("exact")
     model.delete_adapter(merged.adapter_name)
     base = timings["base"]
-    out = {"batch": len(adapter_names), "base_ms": 1e3 * statistics.median(base), "load": list(os.getloadavg())}
-    for kind in ("served", "merged"):
-        ratios = [t / b for t, b in zip(timings[kind], base[0::2] if kind == "served" else base[1::2], strict=True)]
-        out[kind] = {"median": statistics.median(ratios), "quartiles": np.quantile(ratios, [0.25, 0.75]).tolist()}
+    out = {"batch": len(adapters["full"]), "base_ms": 1e3 * statistics.median(base), "load": list(os.getloadavg())}
+    for i, name in enumerate(variants):
+        ratios = [t / b for t, b in zip(timings[name], base[i :: len(variants)], strict=True)]
+        out[name] = {"median": statistics.median(ratios), "quartiles": np.quantile(ratios, [0.25, 0.75]).tolist()}
     return out
 
 
@@ -666,7 +779,31 @@ PRETTY = {
     "dare_linear": "DARE-linear",
     "consensus_ta": "Consensus TA",
     "consensus_ties": "Consensus TIES",
+    "wudi": "WUDI (closed form)",
+    "wudi_adam": "WUDI (reference's 400 Adam steps)",
+    "regmean": "RegMean",
+    "task_arithmetic_lines": "task arithmetic + LiNeS",
+    "ties_lines": "TIES + LiNeS",
+    "consensus_ta_lines": "Consensus TA + LiNeS",
+    "consensus_ties_lines": "Consensus TIES + LiNeS",
+    "stitch_scaled_ls": "stitch with a scale, L&S regions",
+    "stitch_scaled_learned": "stitch with a scale, MaskTrainer regions",
 }
+
+
+SERVED_TITLES = {
+    "full": "served: each task's full graft, mixed batches",
+    "ls": "served: each task's L&S graft, mixed batches",
+    "learned": "served: each task's MaskTrainer graft, mixed batches",
+}
+
+
+def seconds(row: dict) -> str:
+    return f"{row['merge_seconds']:.1f}" if "merge_seconds" in row else "-"
+
+
+def ratio(cost: dict) -> str:
+    return f"{cost['median']:.3f}x ({cost['quartiles'][0]:.3f}-{cost['quartiles'][1]:.3f})"
 
 
 def normalized_accuracy(row: dict, individual: dict, names: list[str]) -> float:
@@ -684,36 +821,57 @@ def summary_markdown(results: dict, names: list[str]) -> str:
         "## Test accuracy % / ECE % per task (each task's frozen head)",
         "",
         "| model | setting (dev-chosen) | " + " | ".join(names) + " | avg normalized acc | entries changed (% of "
-        "params) | storage |",
-        "|---" * (len(names) + 5) + "|",
+        "params) | storage | merge s |",
+        "|---" * (len(names) + 6) + "|",
     ]
     fine_tunes = {n: individual[n]["finetune"]["test"] for n in names}
     moved = merge["moved_entries"]
     lines.append(f"| pre-trained body (zero-shot heads) | - | {cells(results['zero_shot'], names)} | "
-                 f"{normalized_accuracy(results['zero_shot'], individual, names):.3f} | 0 | - |")  # fmt: skip
+                 f"{normalized_accuracy(results['zero_shot'], individual, names):.3f} | 0 | - | - |")  # fmt: skip
     lines.append(f"| individual fine-tunes ({len(names)} models) | - | {cells(fine_tunes, names)} | 1.000 | "
-                 f"{moved:,} in all ({100 * moved / params:.1f}%) | {len(names)} models |")  # fmt: skip
-    for kind, title in (("full", "served: each task's full graft, mixed batches"),
-                        ("ls", "served: each task's L&S graft, mixed batches")):  # fmt: skip
+                 f"{moved:,} in all ({100 * moved / params:.1f}%) | {len(names)} models | - |")  # fmt: skip
+    for kind, title in SERVED_TITLES.items():
         row = merge["serving"][kind]
         lines.append(f"| {title} | - | {cells(row, names)} | {normalized_accuracy(row, individual, names):.3f} | "
                      f"{row['entries']:,} in all ({100 * row['entries'] / params:.2f}%) | "
-                     f"{row['bytes'] / 2**20:.1f} MiB |")  # fmt: skip
+                     f"{row['bytes'] / 2**20:.1f} MiB | - |")  # fmt: skip
     for rule, row in merge["test"].items():
-        setting = row["label"].removeprefix(rule).strip() if rule in merge["tuned"] else "-"
+        chosen = merge["tuned"].get(rule)
+        setting = re.sub(r"^\(\w+\) ?", "", row["label"].removeprefix(chosen["rule"]).strip()) if chosen else "-"
         edge = merge["tuned"].get(rule, {}).get("edges")
         setting += f" (at the grid's edge: {', '.join(edge)})" if edge else ""
         lines.append(f"| {PRETTY[rule]} | {setting or '-'} | {cells(row, names)} | "
                      f"{normalized_accuracy(row, individual, names):.3f} | {row['entries']:,} "
-                     f"({100 * row['entries'] / params:.2f}%) | {row['bytes'] / 2**20:.1f} MiB |")  # fmt: skip
+                     f"({100 * row['entries'] / params:.2f}%) | {row['bytes'] / 2**20:.1f} MiB | "
+                     f"{seconds(row)} |")  # fmt: skip
     cost = merge["serving"]["forward_cost"]
     lines += [
         "",
         f"Forward cost of one mixed batch of {cost['batch']} test examples against the base model's forward on it "
-        f"(base {cost['base_ms']:.1f} ms; median of paired ratios, quartiles; load {cost['load'][0]:.1f}): every "
-        f"task's full graft served mixed {cost['served']['median']:.3f}x ({cost['served']['quartiles'][0]:.3f}-"
-        f"{cost['served']['quartiles'][1]:.3f}), the best merged body on dev ({cost['merged_rule']}, unmerged) "
-        f"{cost['merged']['median']:.3f}x ({cost['merged']['quartiles'][0]:.3f}-{cost['merged']['quartiles'][1]:.3f}).",
+        f"(base {cost['base_ms']:.1f} ms; median of paired ratios, quartiles; load {cost['load'][0]:.1f}):",
+        "",
+        "| forward | exact | sparse_delta |",
+        "|---|---|---|",
+    ]
+    for kind, title in SERVED_TITLES.items():
+        lines.append(f"| {title.removeprefix('served: ')} | {ratio(cost[f'{kind} exact'])} | "
+                     f"{ratio(cost[f'{kind} sparse_delta'])} |")  # fmt: skip
+    lines += [
+        f"| the best merged body on dev ({cost['merged_rule']}, unmerged) | {ratio(cost['merged'])} | - |",
+        "",
+        "## Task-vector norms (L2) per task and layer type",
+        "",
+        "WUDI weighs each task by 1 / ||tau_t||^2 per matrix: norms that differ much between tasks are its known "
+        "failure.",
+        "",
+    ]
+    kinds = [k for k in merge["norms"][names[0]] if k != "total"]
+    lines += ["| layer type | " + " | ".join(names) + " | max / min |", "|---" * (len(names) + 2) + "|"]
+    for kind in ["total", *kinds]:
+        values = [merge["norms"][n][kind] for n in names]
+        spread = max(values) / min(values) if min(values) > 0 else float("inf")
+        lines.append(f"| {kind} | " + " | ".join(f"{v:.4g}" for v in values) + f" | {spread:.2f} |")
+    lines += [
         "",
         "## Per task: the fine-tune and its regions (test accuracy %)",
         "",
@@ -761,9 +919,10 @@ def save_figures(results: dict, report_dir: Path) -> None:
     merge, names = results["merge"], list(results["individual"])
     figure = _new_figure((680, 440), 100)
     ax = figure.add_subplot()
-    markers = iter("oPsD^vX*<>ph")
+    markers = itertools.cycle("oPsD^vX*<>ph")
     rows = {**{PRETTY[r]: row for r, row in merge["test"].items()},
-            "served full grafts": merge["serving"]["full"], "served L&S grafts": merge["serving"]["ls"]}  # fmt: skip
+            "served full grafts": merge["serving"]["full"], "served L&S grafts": merge["serving"]["ls"],
+            "served MaskTrainer grafts": merge["serving"]["learned"]}  # fmt: skip
     for title, row in rows.items():
         x = max(100 * row["entries"] / merge["num_params"], 1e-4)
         y = normalized_accuracy(row, results["individual"], names)

@@ -10,6 +10,13 @@
   ``lambda``, one number or one per graft) and ``density``.
 * ``"consensus_ta"``, ``"consensus_ties"`` (Consensus merging, Wang et al., ICML 2024): task arithmetic or TIES on the
   task vectors after dropping the entries that fewer than ``consensus_k`` tasks' TALL masks hold.
+* ``"wudi"``, ``"wudi_adam"`` (WUDI-Merging, Cheng et al., ICML 2025) and ``"regmean"`` (RegMean, Jin et al., ICLR
+  2023): rules on whole tensors (:mod:`peft_graft.merge_rules`); RegMean takes each task's input Gram matrices
+  (``grams``, :func:`peft_graft.input_statistics.input_grams`). Their merged body holds whole matrices.
+
+``lines=(alpha, beta)`` scales task arithmetic's, TIES's and the Consensus rules' merged vector per block (LiNeS, Wang
+et al., ICLR 2025); ``scale`` scales a stitch. A :class:`TaskVectorStack` holds the grafts' task vectors stacked once,
+for many merges of the same grafts (``stack=``); :func:`task_vector_norms` gives each task's norm per layer type.
 
 peft applies these functions tensor by tensor (to one LoRA delta at a time); here they get each task's *whole* task
 vector at once, flattened over the union of the grafts' entries, so that TIES's magnitude trim keeps the top
@@ -42,6 +49,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ._checksum import state_checksum
+from .merge_rules import layer_type, lines_scales, mean_task_vector, regmean, wudi_adam, wudi_closed_form
 from .parameter_layout import build_layout
 from .regions import Region
 from .sharding import refuse_sharded
@@ -50,10 +58,13 @@ from .tuner.model import GraftModel, _combine, _exact_after_combining, _record_l
 from .tuner.persistence import saved_beside
 
 MERGE_RULES = ("stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta",
-               "consensus_ties")  # fmt: skip
+               "consensus_ties", "wudi", "wudi_adam", "regmean")  # fmt: skip
 DENSITY_RULES = ("stitch_dataless", "ties", "dare_ties", "dare_linear", "consensus_ties")
 WEIGHTED_RULES = ("task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties")
 CONSENSUS_RULES = ("consensus_ta", "consensus_ties")
+TENSOR_RULES = ("wudi", "wudi_adam", "regmean")  # per whole tensor (peft_graft.merge_rules)
+LINES_RULES = ("task_arithmetic", "ties", "consensus_ta", "consensus_ties")
+STITCH_RULES = ("stitch", "stitch_dataless")
 HEADS_FILE = "task_heads.safetensors"
 
 
@@ -91,7 +102,13 @@ class MergedGraft:
         """Activate the merged adapter with ``task``'s head."""
         if task not in self.heads:
             raise ValueError(f"No head for task {task!r}; this merge has {self.tasks}.")
+        if self.adapter_name not in self.model.peft_config:
+            raise ValueError(f"The merged adapter {self.adapter_name!r} is no longer in the model (deleted): merge "
+                             "again, or load it with MergedGraft.from_pretrained.")  # fmt: skip
         copies = _head_copies(self.model, self.adapter_name)
+        missing = sorted(set(self.heads[task]) - set(copies))
+        if missing:
+            raise ValueError(f"Task {task!r}'s head tensors {missing} have no copy in adapter {self.adapter_name!r}.")
         with torch.no_grad():
             for name, tensor in self.heads[task].items():
                 copies[name].copy_(tensor)
@@ -108,7 +125,8 @@ class MergedGraft:
     def _save_heads(self, path: str) -> None:
         tensors = {f"{task}/{name}": t.detach().cpu().contiguous() for task, head in self.heads.items()
                    for name, t in head.items()}  # fmt: skip
-        metadata = {"rule": self.rule, "tasks": json.dumps(self.tasks), "options": json.dumps(self.options)}
+        metadata = {"rule": self.rule, "tasks": json.dumps(self.tasks), "options": json.dumps(self.options),
+                    "body_checksum": body_checksum(self.model, self.adapter_name)}  # fmt: skip
         metadata["checksum"] = state_checksum(tensors, metadata)
         save_file(tensors, path, metadata=metadata)  # staged: nothing replaced if the loader's checks refuse it
         try:
@@ -121,30 +139,79 @@ class MergedGraft:
 
     @classmethod
     def from_pretrained(
-        cls, model: nn.Module, path: str | os.PathLike, adapter_name: str = "merged", **kwargs
+        cls, model: nn.Module, path: str | os.PathLike, adapter_name: str = "merged", check_body: bool = True, **kwargs
     ) -> MergedGraft:
-        """Load a merged graft saved by :meth:`save_pretrained` onto ``model`` (a base model or a graft PeftModel)."""
+        """Load a merged graft saved by :meth:`save_pretrained` onto ``model`` (a base model or a graft PeftModel).
+
+        The heads file records a checksum of the merged body it was saved with, and loading refuses a body it does not
+        match (heads of another merge). A file saved before heads recorded it is refused too, unless ``check_body`` is
+        False (then save it again to bind them). On any error the model is left as it was."""
         heads_path = Path(path) / HEADS_FILE
         if not heads_path.is_file():
             raise ValueError(f"{str(path)!r} holds no {HEADS_FILE}: it is not a merged graft saved by MergedGraft.")
-        rule, heads, options = _read_heads(str(heads_path))
-        if isinstance(model, PeftModel):
-            model.load_adapter(str(path), adapter_name, **kwargs)
-        else:
+        if isinstance(model, PeftModel) and adapter_name in model.peft_config:
+            raise ValueError(f"An adapter named {adapter_name!r} is already in the model: load the merged graft under "
+                             "another adapter_name (MergedGraft.from_pretrained(..., adapter_name=...)).")  # fmt: skip
+        rule, heads, options, recorded = _read_heads(str(heads_path))
+        created = not isinstance(model, PeftModel)
+        if created:
             model = PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, **kwargs)
-        merged = cls(model, adapter_name, rule, heads, options)
-        copies = _head_copies(model, adapter_name)
-        for task, head in heads.items():
-            if set(head) != set(copies) or any(head[n].shape != copies[n].shape for n in head):
+        else:
+            model.load_adapter(str(path), adapter_name, **kwargs)
+        try:
+            _check_loaded_heads(model, adapter_name, heads_path, heads, recorded, check_body)
+        except BaseException:
+            if created:
+                model.unload()  # the base model's layers back, as they were
+            else:
                 model.delete_adapter(adapter_name)
-                raise ValueError(f"{heads_path}: the head of task {task!r} does not match the adapter's heads "
-                                 f"{sorted(copies)}: the file is corrupt or from another model.")  # fmt: skip
-        return merged
+            raise
+        return cls(model, adapter_name, rule, heads, options)
 
 
-def _read_heads(path: str) -> tuple[str, dict[str, dict[str, torch.Tensor]], dict]:
-    """``(rule, heads, options)`` of a task heads file, checked: readable, its checksum, floating point and finite
-    tensors, each of a task it lists. Every problem is a ``ValueError`` naming the file."""
+def _check_loaded_heads(model, adapter_name: str, heads_path: Path, heads: dict, recorded: str | None, check: bool):
+    """The heads fit the loaded adapter's head copies (names, shapes) and were saved with this body."""
+    copies = _head_copies(model, adapter_name)
+    for task, head in heads.items():
+        if set(head) != set(copies):
+            raise ValueError(f"{heads_path}: the head of task {task!r} holds {sorted(head)}, the merged adapter's "
+                             f"heads are {sorted(copies)}: the file is corrupt or from another model.")  # fmt: skip
+        for name, tensor in head.items():
+            if tensor.shape != copies[name].shape:
+                raise ValueError(f"{heads_path}: head tensor {name!r} of task {task!r} has shape "
+                                 f"{tuple(tensor.shape)}, the merged adapter's has {tuple(copies[name].shape)}: the "
+                                 "heads are of another model.")  # fmt: skip
+    if recorded is None:
+        if check:
+            raise ValueError(
+                f"{heads_path} records no checksum of its merged body (saved before heads were bound to their body), "
+                "so nothing shows the heads belong to this body. If they do, load with check_body=False and save the "
+                "merged graft again (MergedGraft.save_pretrained) to bind them."
+            )
+    elif recorded != body_checksum(model, adapter_name):
+        raise ValueError(
+            f"{heads_path}: the task heads were saved with another merged body than the adapter in "
+            f"{str(heads_path.parent)!r} (its checksum differs from the one they record): the heads file "
+            "is of another merge. Save the merge's body and heads together (MergedGraft.save_pretrained)."
+        )
+
+
+def body_checksum(model: PeftModel, adapter_name: str) -> str:
+    """A checksum of a graft adapter's body: per graft layer, its flat indices, fp32 values and exact entries."""
+    tensors = {}
+    for module, layer in _graft_layers(model).items():
+        if layer.has_region(adapter_name):
+            indices, values = layer.entries(adapter_name)
+            positions, targets = layer.exact_entries(adapter_name)
+            parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(
+                torch.int64), "targets": targets.float()}  # fmt: skip
+            tensors |= {f"{module}/{k}": v.detach().cpu().contiguous() for k, v in parts.items()}
+    return state_checksum(tensors, {})
+
+
+def _read_heads(path: str) -> tuple[str, dict[str, dict[str, torch.Tensor]], dict, str | None]:
+    """``(rule, heads, options, body checksum or None)`` of a task heads file, checked: readable, its checksum, floating
+    point and finite tensors, each of a task it lists. Every problem is a ``ValueError`` naming the file."""
     fix = "Save the merged graft again (MergedGraft.save_pretrained)."
     try:
         with safe_open(path, framework="pt") as handle:
@@ -167,7 +234,7 @@ def _read_heads(path: str) -> tuple[str, dict[str, dict[str, torch.Tensor]], dic
             problem = "holds NaN or inf" if tensor.is_floating_point() else f"is {tensor.dtype}, not floating point"
             raise ValueError(f"{path!r}: head tensor {key!r} {problem}: the file is corrupt. {fix}")
         heads[task][name] = tensor
-    return metadata.get("rule", ""), heads, options
+    return metadata.get("rule", ""), heads, options, metadata.get("body_checksum")
 
 
 def merge_grafts(
@@ -183,6 +250,13 @@ def merge_grafts(
     exclude: Region | None = None,
     consensus_k: int = 2,
     tall_lambda: float = 1.0,
+    lines: tuple[float, float] | None = None,
+    scale: float | None = None,
+    grams: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    regmean_alpha: float = 0.95,
+    wudi_steps: int = 400,
+    wudi_lr: float = 1e-5,
+    stack: TaskVectorStack | None = None,
 ) -> MergedGraft:
     """Merge task grafts of ``model``'s base into one new graft adapter ``adapter_name`` by ``rule``.
 
@@ -199,6 +273,15 @@ def merge_grafts(
         exclude: Entries never merged (by parameter name), e.g. where the task regions overlap.
         consensus_k: For the consensus rules: an entry is kept when at least this many tasks' TALL masks hold it.
         tall_lambda: For the consensus rules: task t's TALL mask holds ``|tau_t| > tall_lambda * |tau_MTL - tau_t|``.
+        lines: ``(alpha, beta)``: LiNeS's per-layer scaling of the merged task vector, for :data:`LINES_RULES`
+            (block ``l`` of ``L`` times ``alpha + beta * l / (L - 1)``, tensors outside the blocks times ``alpha``).
+        scale: For the stitch rules: the stitched values times this number (default 1).
+        grams: For ``"regmean"``: task -> linear layer (as :meth:`GraftModel.graft_layers` names it) -> the Gram matrix
+            of its inputs under that task's graft (:func:`peft_graft.input_statistics.input_grams`).
+        regmean_alpha: For ``"regmean"``: the Gram matrices' off-diagonal entries are scaled by this (in [0, 1]).
+        wudi_steps, wudi_lr: For ``"wudi_adam"``: Adam's steps and learning rate (the reference's 400 and 1e-5).
+        stack: The grafts' :class:`TaskVectorStack`, built once for many merges of the same grafts (it must hold the
+            same grafts and exclude; one whose grafts changed since is refused).
 
     Returns:
         The :class:`MergedGraft` (the model holds the new adapter, with the first task's head active in it). On any
@@ -211,13 +294,14 @@ def merge_grafts(
         "merge the grafts in one process, on the whole model (PeftModel.from_pretrained(base, first graft), "
         "merge_grafts, MergedGraft.save_pretrained), then load the merged graft before sharding the model.",
     )
-    if isinstance(grafts, str) or not isinstance(grafts, (Mapping, Sequence)):
-        raise TypeError(f"grafts must map task names to adapters/folders, or list adapter names; got {grafts!r:.100}.")
-    sources = dict(grafts) if isinstance(grafts, Mapping) else {name: name for name in grafts}
+    sources = _graft_names(grafts)
     if not sources:
         raise ValueError("grafts is empty: give at least one task graft to merge.")
     options = _check_options(rule, len(sources), weights, density, majority_sign_method, seed)
     options.update(_consensus_options(rule, len(sources), consensus_k, tall_lambda))
+    options.update(rule_options(rule, list(sources), lines, scale, grams, regmean_alpha, wudi_steps, wudi_lr))
+    if stack is not None and not isinstance(stack, TaskVectorStack):
+        raise TypeError(f"stack must be a TaskVectorStack, got {type(stack).__name__}.")
     check_adapter_name(adapter_name)
     if adapter_name in model.peft_config:
         raise ValueError(f"An adapter named {adapter_name!r} already exists: choose another adapter_name.")
@@ -239,8 +323,12 @@ def merge_grafts(
                 raise ValueError(f"Task {task!r}: could not load the graft {source!r}: {error}") from error
             loaded.append(task)
             names[task] = task
-        _check_grafts(tuner, names)
-        merged = _merged_entries(tuner, names, rule, options, exclude)
+        if stack is None:
+            stack = TaskVectorStack(model, names, exclude)
+        else:
+            stack.check(model, names, exclude)
+            _check_grafts(tuner, names)
+        merged = _merged_entries(tuner, stack, rule, options, grams)
         _check_finite(tuner, merged, rule, options)
         heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
                  for task, name in names.items()}  # fmt: skip
@@ -319,6 +407,132 @@ def _check_grafts(tuner: GraftModel, names: dict[str, str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- merging
+class TaskVectorStack:
+    """The task vectors of a set of loaded grafts, stacked once for many merges of them
+    (``merge_grafts(..., stack=stack)``): per graft layer, the union of the grafts' flat indices, their values stacked
+    ``(num_grafts, n)`` (NaN where a graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere).
+
+    It records each graft's tensors as it read them (held, with their in-place version counters) and a checksum of
+    their entries; a merge given a stack whose grafts' entries have changed since (a region set again, values written
+    in place, an adapter deleted and loaded with others) is refused, naming the graft: build the stack again. Entries
+    held anew but unchanged (a packed adapter unpacked by a forward) are checked by their checksum and accepted.
+    """
+
+    def __init__(self, model: PeftModel, grafts: Mapping[str, str] | Sequence[str], exclude: Region | None = None):
+        tuner = _graft_tuner(model)
+        self.names = _graft_names(grafts)
+        missing = [name for name in self.names.values() if name not in tuner.peft_config]
+        if missing:
+            raise ValueError(f"A TaskVectorStack is built from loaded adapters; {missing} are not loaded in the model.")
+        if exclude is not None and not isinstance(exclude, Region):
+            raise TypeError(f"exclude must be a Region, got {type(exclude).__name__}.")
+        _check_grafts(tuner, self.names)
+        self.model, self.exclude = model, exclude
+        self.stamps = _stamps(tuner, list(self.names.values()))
+        self.digests = {key: _digest(tuner, *key) for key in self.stamps}
+        self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.layers)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The task vectors over the union of entries, ``(num_grafts, n)``, NaN where a graft has no entry."""
+        if self._flat is None:
+            self._flat = torch.cat([self.layers[m][1] for m in self.layers], dim=1)
+        return self._flat
+
+    def check(self, model: PeftModel, names: dict[str, str], exclude: Region | None) -> None:
+        """Refuse this stack for a merge of other grafts, another model or exclude, or grafts changed since."""
+        if model is not self.model:
+            raise ValueError("The TaskVectorStack was built on another model: build one on this model.")
+        if names != self.names:
+            raise ValueError(f"The TaskVectorStack holds the grafts {self.names}, the merge asks for {names}: pass the "
+                             "same grafts (task -> adapter, in the same order) or build another stack.")  # fmt: skip
+        if (exclude is None) != (self.exclude is None) or (exclude is not None and exclude != self.exclude):
+            raise ValueError("The TaskVectorStack was built with another exclude: build it with this one.")
+        tuner = _graft_tuner(model)
+        current = _stamps(tuner, list(names.values()))
+        for key, (tensors, stamp) in self.stamps.items():
+            now = current[key]
+            if now[1] == stamp and all(a is b for a, b in zip(now[0], tensors, strict=True)):
+                continue
+            if _digest(tuner, *key) == self.digests[key]:  # held anew, the same entries (unpacked on a forward, say)
+                self.stamps[key] = now
+            else:
+                task = next(t for t, n in names.items() if n == key[1])
+                raise ValueError(
+                    f"Graft {key[1]!r} (task {task!r}) changed in {key[0]!r} since the TaskVectorStack was built: "
+                    "its stacked task vector is stale. Build the stack again (TaskVectorStack(model, grafts))."
+                )
+
+
+def _digest(tuner: GraftModel, module: str, name: str) -> str:
+    """A checksum of one graft's entries in one layer (indices, fp32 values, exact entries), however they are held."""
+    layer = tuner.model.get_submodule(module)
+    if layer.learner(name) is not None:
+        return "learning"  # refused by the merge's checks anyway
+    indices, values = layer.entries(name)
+    positions, targets = layer.exact_entries(name)
+    parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
+             "targets": targets.float()}  # fmt: skip
+    return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, {})
+
+
+def _stamps(tuner: GraftModel, names: list[str]) -> dict[tuple[str, str], tuple[tuple, tuple]]:
+    """Per (graft layer, adapter): the objects holding its entries and their ``(data_ptr, version)`` stamps."""
+    out = {}
+    for module, layer in tuner.graft_layers().items():
+        for name in names:
+            store = layer.packed.get(name)
+            if store is not None:
+                objects = (store, *store.tensors.values())
+            else:
+                # a BufferDict has no get()
+                containers = (layer.graft_indices, layer.graft_values, layer.graft_exact_positions,
+                              layer.graft_exact_values)  # fmt: skip
+                objects = (layer.learner(name), *(c[name] if name in c else None for c in containers))  # noqa: SIM401
+            stamp = tuple((o.data_ptr(), o._version) if isinstance(o, torch.Tensor) else id(o) for o in objects)
+            out[module, name] = (objects, stamp)
+    return out
+
+
+def _graft_names(grafts: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
+    """Task -> source from ``grafts``; a graft given twice is refused, naming it."""
+    if isinstance(grafts, str) or not isinstance(grafts, (Mapping, Sequence)):
+        raise TypeError(f"grafts must map task names to adapters/folders, or list adapter names; got {grafts!r:.100}.")
+    sources = list(grafts.values()) if isinstance(grafts, Mapping) else list(grafts)
+    twice = sorted({str(s) for s in sources if sources.count(s) > 1})
+    if twice:
+        raise ValueError(f"grafts names {twice} more than once: each graft merges once; give each task its own graft.")
+    return dict(grafts) if isinstance(grafts, Mapping) else {name: name for name in grafts}
+
+
+def task_vector_norms(
+    model: PeftModel, grafts: Mapping[str, str] | Sequence[str] | None = None, *, stack: TaskVectorStack | None = None
+) -> dict[str, dict[str, float]]:
+    """Per task: the L2 norm of its task vector in all (``"total"``) and per layer type (each tensor's name without its
+    block number, e.g. ``"encoder.layer.attention.self.query.weight"``). Norms that differ much between tasks are
+    WUDI's known failure (its loss weighs each task by ``1 / ||tau_t||^2`` per matrix). Give loaded ``grafts`` or a
+    ``stack`` of them."""
+    if stack is None:
+        if grafts is None:
+            raise ValueError("task_vector_norms needs grafts (loaded adapter names) or a TaskVectorStack.")
+        stack = TaskVectorStack(model, grafts)
+    tuner = _graft_tuner(stack.model)
+    squares: dict[str, torch.Tensor] = {}
+    for module, (indices, rows, _) in stack.layers.items():
+        for attr, _, position in tuner.model.get_submodule(module).space.split(indices):
+            kind = layer_type(f"{module}.{attr}")
+            part = torch.nan_to_num(rows[:, position], nan=0.0).double().square().sum(1)
+            squares[kind] = squares.get(kind, torch.zeros(len(stack.names), dtype=torch.float64)) + part
+    total = sum(squares.values(), torch.zeros(len(stack.names), dtype=torch.float64))
+    return {task: {"total": float(total[row].sqrt()), **{k: float(v[row].sqrt()) for k, v in squares.items()}}
+            for row, task in enumerate(stack.names)}  # fmt: skip
+
+
 def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region | None):
     """Per graft layer: the union of the grafts' flat indices, their values stacked ``(num_grafts, n)`` (NaN where a
     graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere)."""
@@ -358,14 +572,15 @@ def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region |
     return out
 
 
-def _merged_entries(tuner: GraftModel, names: dict[str, str], rule: str, options: dict, exclude: Region | None):
+def _merged_entries(tuner: GraftModel, stack: TaskVectorStack, rule: str, options: dict, grams):
     """Per graft layer: ``(indices, merged values, exact entries)`` of the merged body."""
-    stacked = _stacked_task_vectors(tuner, list(names.values()), exclude)
-    modules = list(stacked)
+    stacked, modules = stack.layers, stack.modules
     if not modules:
-        raise ValueError(f"The grafts {list(names.values())} hold no entries to merge (after exclude).")
+        raise ValueError(f"The grafts {list(stack.names.values())} hold no entries to merge (after exclude).")
+    if rule in TENSOR_RULES:
+        return _tensor_merged_entries(tuner, stack, rule, options, grams)
     sizes = [stacked[m][0].numel() for m in modules]
-    flat = torch.cat([stacked[m][1] for m in modules], dim=1)  # the task vectors over the union of entries
+    flat = stack.flat  # the task vectors over the union of entries
     present = ~torch.isnan(flat)
     taus = list(torch.nan_to_num(flat, nan=0.0))
     density, weights = options["density"], torch.tensor(options["weights"] or [])
@@ -390,6 +605,13 @@ def _merged_entries(tuner: GraftModel, names: dict[str, str], rule: str, options
             else:
                 values = merge_utils.dare_linear(taus, weights, density)
         keep = values != 0
+    if options.get("scale", 1.0) != 1.0 or "lines" in options:
+        factors = torch.full((len(modules),), float(options.get("scale", 1.0)))
+        if "lines" in options:
+            per_module = lines_scales(tuner.graft_layers(), *options["lines"])
+            factors = torch.tensor([per_module[m] for m in modules])
+        values = values * factors.repeat_interleave(torch.tensor(sizes))
+        keep = keep & (values != 0)
     out = {}
     for module, part_values, part_keep in zip(modules, values.split(sizes), keep.split(sizes), strict=True):
         indices, rows, exact = stacked[module]
@@ -400,6 +622,110 @@ def _merged_entries(tuner: GraftModel, names: dict[str, str], rule: str, options
     if not out:
         raise ValueError(f"rule {rule!r} with {options} changes no entry: raise density or the weights.")
     return out
+
+
+def _tensor_merged_entries(tuner: GraftModel, stack: TaskVectorStack, rule: str, options: dict, grams) -> dict:
+    """The rules on whole tensors (:data:`TENSOR_RULES`): each stored tensor's task vectors made dense (0 off a graft's
+    region), merged by :mod:`peft_graft.merge_rules`; the merged body holds every entry the rule changed (a matrix
+    rule changes whole matrices), never one of ``exclude``."""
+    layout = build_layout(tuner.model)
+    out = {}
+    for module, (indices, rows, exact) in stack.layers.items():
+        layer = tuner.model.get_submodule(module)
+        parts = []
+        for attr, local, position in layer.space.split(indices):
+            parameter = layout.by_site[(module, attr)].parameter
+            taus = torch.zeros(rows.shape[0], parameter.numel())
+            taus[:, local] = torch.nan_to_num(rows[:, position], nan=0.0)
+            taus = taus.reshape(rows.shape[0], *parameter.shape)
+            merged = _merge_tensor(rule, options, taus, layer, module, attr, grams, list(stack.names)).reshape(-1)
+            keep = merged != 0
+            excluded = None if stack.exclude is None else stack.exclude.get(layout.by_site[(module, attr)].name)
+            if excluded is not None:
+                keep[excluded.to(torch.int64)] = False
+            where = keep.nonzero().squeeze(1)
+            global_indices = where + layer.space.start(attr)
+            at_union = merged[local]
+            picked = keep[local]
+            unreachable = _exact_after_combining(rows[:, position][:, picked], exact[:, position][:, picked],
+                                                 at_union[picked], indices[position][picked])  # fmt: skip
+            parts.append((global_indices, merged[where].float(), unreachable))
+        if any(p[0].numel() for p in parts):
+            exact_indices, exact_values = (torch.cat([p[2][i] for p in parts]) for i in range(2))
+            out[module] = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                           (exact_indices, exact_values))  # fmt: skip
+    if not out:
+        raise ValueError(f"rule {rule!r} changes no entry: the grafts' task vectors are 0 (after exclude).")
+    return out
+
+
+def _merge_tensor(rule, options, taus, layer, module, attr, grams, tasks) -> torch.Tensor:
+    """One stored tensor's merged task vector by a tensor rule: WUDI on matrices, RegMean on linear weights, the mean
+    of the task vectors elsewhere (as the references treat those tensors)."""
+    if rule in ("wudi", "wudi_adam") and taus.dim() == 3:
+        if rule == "wudi":
+            return wudi_closed_form(taus)
+        return wudi_adam(taus, options["wudi_steps"], options["wudi_lr"])
+    if rule == "regmean" and attr == "weight" and isinstance(layer.base_layer, nn.Linear):
+        matrices = []
+        for task in tasks:
+            gram = grams[task].get(module)
+            if gram is None or tuple(gram.shape) != (taus.shape[2], taus.shape[2]):
+                found = "none" if gram is None else f"one of shape {tuple(gram.shape)}"
+                raise ValueError(
+                    f"rule 'regmean': grams[{task!r}] has {found} for linear layer {module!r}, which needs "
+                    f"({taus.shape[2]}, {taus.shape[2]}): collect them with peft_graft.input_statistics.input_grams."
+                )
+            matrices.append(gram.detach().float().cpu())
+        try:
+            return regmean(taus, matrices, options["regmean_alpha"])
+        except torch.linalg.LinAlgError as error:
+            raise ValueError(
+                f"rule 'regmean': the summed Gram matrices of {module!r} are singular ({error}); use a regmean_alpha "
+                "below 1 or more inputs per task."
+            ) from error
+    return mean_task_vector(taus)
+
+
+def rule_options(rule, tasks, lines, scale, grams, regmean_alpha, wudi_steps, wudi_lr) -> dict:
+    """The checked options of the newer rules (LiNeS, the stitch's scale, RegMean, WUDI) that ``rule`` takes, as saved
+    with the merge; an option given to a rule that does not take it is refused."""
+    out: dict = {}
+    if lines is not None:
+        if rule not in LINES_RULES:
+            raise ValueError(f"rule {rule!r} takes no lines (LiNeS scaling is for {LINES_RULES}).")
+        if not (isinstance(lines, Sequence) and len(lines) == 2 and all(_is_finite(v) for v in lines)):
+            raise ValueError(f"lines must be (alpha, beta), two finite numbers, got {lines!r}.")
+        out["lines"] = [float(v) for v in lines]
+    if scale is not None:
+        if rule not in STITCH_RULES:
+            raise ValueError(f"rule {rule!r} takes no scale (only {STITCH_RULES} do; the others have weights).")
+        if not _is_finite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale!r}.")
+        out["scale"] = float(scale)
+    if rule == "regmean":
+        if not isinstance(grams, Mapping) or sorted(grams) != sorted(tasks):
+            got = sorted(grams) if isinstance(grams, Mapping) else type(grams).__name__
+            raise ValueError(f"rule 'regmean' needs grams: task -> {{linear layer: Gram matrix}} for each of {tasks}, "
+                             f"got {got}; collect them with peft_graft.input_statistics.input_grams.")  # fmt: skip
+        if not _is_finite(regmean_alpha) or not 0.0 <= regmean_alpha <= 1.0:
+            raise ValueError(f"regmean_alpha must be a number in [0, 1], got {regmean_alpha!r}.")
+        out["regmean_alpha"] = float(regmean_alpha)
+    elif grams is not None or regmean_alpha != 0.95:
+        raise ValueError(f"rule {rule!r} takes no grams/regmean_alpha (only 'regmean' does).")
+    if rule == "wudi_adam":
+        if isinstance(wudi_steps, bool) or not isinstance(wudi_steps, int) or wudi_steps < 0:
+            raise ValueError(f"wudi_steps must be an int >= 0, got {wudi_steps!r}.")
+        if not _is_finite(wudi_lr) or wudi_lr <= 0:
+            raise ValueError(f"wudi_lr must be a finite number > 0, got {wudi_lr!r}.")
+        out.update(wudi_steps=wudi_steps, wudi_lr=float(wudi_lr))
+    elif (wudi_steps, wudi_lr) != (400, 1e-5):
+        raise ValueError(f"rule {rule!r} takes no wudi_steps/wudi_lr (only 'wudi_adam' does).")
+    return out
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
 
 
 def _consensus_options(rule: str, count: int, consensus_k: object, tall_lambda: object) -> dict:
@@ -504,4 +830,4 @@ def _head_copies(model: PeftModel, adapter_name: str) -> dict[str, torch.Tensor]
     return out
 
 
-__all__ = ["MERGE_RULES", "MergedGraft", "merge_grafts"]
+__all__ = ["MERGE_RULES", "MergedGraft", "TaskVectorStack", "merge_grafts", "task_vector_norms"]

@@ -22,7 +22,10 @@ sys.path.insert(0, str(EXAMPLES))
 
 import run_merge  # noqa: E402
 
-RULES = ("stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties")
+STACKS_BUILT: list[tuple[str, ...]] = []
+RULES = ("stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties",
+         "wudi", "wudi_adam", "regmean", "task_arithmetic_lines", "ties_lines", "consensus_ta_lines",
+         "consensus_ties_lines", "stitch_scaled_ls", "stitch_scaled_learned")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,21 @@ def smoke(encoder, tmp_path_factory):
     root = tmp_path_factory.mktemp("merge")
     argv = ["--model_name_or_path", encoder, "--smoke", "--lambdas", "0.5", "1.0", "--densities", "0.5",
             "--tall_lambdas", "0.4", "--dataless_densities", "0.1", "0.5", "--max_widen", "1", "--ls_sparsity", "0.05",
+            "--regmean_alphas", "0.9", "--regmean_examples", "8", "--lines_alphas", "1.0", "--lines_betas", "0.5",
+            "--stitch_scales", "1.0", "1.5",
             "--work_dir", str(root / "work"), "--report_dir", str(root / "report")]  # fmt: skip
-    return argv, root, run_merge.main(argv)
+    original = run_merge.TaskVectorStack
+
+    class Counted(original):  # records each stack run_merge builds (merge_grafts' own, per merge, are not counted)
+        def __init__(self, model, grafts, exclude=None):
+            STACKS_BUILT.append(tuple(grafts.values()))
+            super().__init__(model, grafts, exclude)
+
+    run_merge.TaskVectorStack = Counted
+    try:
+        return argv, root, run_merge.main(argv)
+    finally:
+        run_merge.TaskVectorStack = original
 
 
 def test_each_task_has_its_own_frozen_head_and_a_loss_over_its_own_classes(encoder):
@@ -87,14 +103,22 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
     assert dev_labels == set(merge["grid_dev"])  # the grids never touched test
     for rule, chosen in merge["tuned"].items():
         assert chosen["label"] in merge["grid_dev"] and merge["test"][rule]["label"] == chosen["label"]
-        best = max(
-            (label for label in merge["grid_dev"] if label.split(" ")[0] == rule),
-            key=lambda label: run_merge.mean_accuracy(merge["grid_dev"][label], run_merge.TASKS),
-        )
+        assert set(chosen["tried"]) <= set(merge["grid_dev"])
+        dev = {label: run_merge.mean_accuracy(merge["grid_dev"][label], run_merge.TASKS) for label in chosen["tried"]}
+        best = max(dev, key=dev.get)
         assert run_merge.mean_accuracy(merge["grid_dev"][best], run_merge.TASKS) == chosen["dev"]
+        assert merge["test"][rule]["merge_seconds"] > 0  # every row says how long its merge took
         for axis, values in chosen["axes"].items():  # widened once, off the edge its winner was on, or not at all
             dataless = rule == "stitch_dataless"
-            given = {"weights": [0.5, 1.0], "density": [0.1, 0.5] if dataless else [0.5], "tall_lambda": [0.4]}[axis]
+            given = {
+                "weights": [0.5, 1.0],
+                "density": [0.1, 0.5] if dataless else [0.5],
+                "tall_lambda": [0.4],
+                "regmean_alpha": [0.9],
+                "lines_alpha": [1.0],
+                "lines_beta": [0.5],
+                "scale": [1.0, 1.5],
+            }[axis]
             assert set(given) <= set(values) and len(values) <= len(given) + 1
             if axis in chosen["edges"]:
                 assert chosen["options"][axis] in (min(values), max(values))
@@ -115,12 +139,24 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
             results["individual"][task]["finetune"]["test"]["ece"], abs=1e-3
         )
         assert served["ls"][task]["accuracy"] == results["individual"][task]["ls"]["test"]["accuracy"]
+        assert served["learned"][task]["accuracy"] == results["individual"][task]["learned"]["test"]["accuracy"]
+        assert served["learned"][task]["ece"] >= 0
+    assert 0 < served["learned"]["bytes"] < served["full"]["bytes"]
     cost = served["forward_cost"]
-    assert cost["served"]["median"] > 0 and cost["merged"]["median"] > 0 and cost["merged_rule"] in RULES
+    for kind in ("full", "ls", "learned"):
+        for mode in ("exact", "sparse_delta"):
+            assert cost[f"{kind} {mode}"]["median"] > 0
+    assert cost["merged"]["median"] > 0 and cost["merged_rule"] in RULES
+    norms = merge["norms"]
+    assert set(norms) == set(run_merge.TASKS) and all(n["total"] > 0 for n in norms.values())
+    assert all(".encoder.layer." in kind or kind == "total" for kind in norms["mr"])
     for name in ("summary.md", "results.json", "merge_accuracy_vs_size.png", "merge_overlap_ls.png"):
         assert (root / "report" / name).is_file()
     summary = (root / "report" / "summary.md").read_text()
     assert "avg normalized acc" in summary and "served: each task's full graft" in summary and "Dev grid" in summary
+    assert "sparse_delta" in summary and "Task-vector norms" in summary and "RegMean" in summary
+    kinds = [stack[0].split("_", 1)[1] for stack in STACKS_BUILT]  # adapters "<task>_<kind>"
+    assert sorted(kinds) == ["disjoint", "full", "learned", "ls"]  # each kind's task vectors stacked once
     again = run_merge.main(argv)  # everything saved: the same numbers, nothing recomputed
     assert again["merge"]["test"] == merge["test"] and again["individual"] == results["individual"]
     assert again["merge"]["serving"] == served

@@ -283,4 +283,4 @@ def test_a_region_still_being_learned_is_refused(pre, folders):
 
 def test_every_rule_is_listed():
     assert set(MERGE_RULES) == {"stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_ties", "dare_linear",
-                                "consensus_ta", "consensus_ties"}  # fmt: skip
+                                "consensus_ta", "consensus_ties", "wudi", "wudi_adam", "regmean"}  # fmt: skip

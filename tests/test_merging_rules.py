@@ -1,0 +1,298 @@
+"""The newer merge rules and merge machinery: WUDI, RegMean and LiNeS in merge_grafts against their formulas on
+hand-built task vectors, the stitch's scale, task-vector norms per layer type, the stacked task vectors built once for
+many merges (identical results, a changed graft refused), input Gram matrices, and issue 60's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_merging import TASKS, folders, loaded, pre, state, task_vectors  # noqa: F401  (fixtures)
+from testing_utils import clone_model, input_ids
+
+from peft_graft import Region
+from peft_graft.input_statistics import input_grams, linear_layers
+from peft_graft.merge_rules import block_index, layer_type, lines_scales, reduce_off_diagonal, wudi_closed_form
+from peft_graft.merging import HEADS_FILE, MergedGraft, TaskVectorStack, merge_grafts, task_vector_norms
+from peft_graft.parameter_layout import build_layout
+
+
+def per_tensor(model: PeftModel, adapters: list[str]) -> dict[str, torch.Tensor]:
+    """``(len(adapters), *shape)`` task vectors per stored tensor name."""
+    flat = task_vectors(model, adapters)
+    out, offset = {}, 0
+    layout = build_layout(model.base_model.model)
+    for module, layer in model.base_model.graft_layers().items():
+        for attr in layer.stored_attrs:
+            parameter = layout.by_site[(module, attr)].parameter
+            out[f"{module}.{attr}"] = flat[:, offset : offset + parameter.numel()].reshape(
+                len(adapters), *parameter.shape
+            )
+            offset += parameter.numel()
+    return out
+
+
+def test_wudi_is_the_closed_form_on_matrices_and_the_mean_elsewhere(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "sparse")  # sparse regions: tasks hold different entries of each matrix
+    merged = merge_grafts(model, list(TASKS), "wudi")
+    taus, result = per_tensor(model, list(TASKS)), per_tensor(model, ["merged"])
+    for name, stacked in taus.items():
+        if stacked.dim() == 3:
+            a = sum(t.T.double() @ t.double() / t.double().square().sum() for t in stacked)
+            b = sum(t.double() @ t.T.double() @ t.double() / t.double().square().sum() for t in stacked)
+            torch.testing.assert_close((result[name][0].double() @ a), b, rtol=1e-4, atol=1e-9)  # X A = B
+            torch.testing.assert_close(result[name][0], wudi_closed_form(stacked), rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(result[name][0], stacked.mean(0), rtol=1e-6, atol=1e-9)
+    assert merged.options == {"weights": None, "density": None, "majority_sign_method": "total", "seed": 0}
+
+
+def test_wudi_closed_form_keeps_the_start_off_the_span():
+    """Rank-deficient task vectors: the solution is the minimiser nearest the reference's start (sum of the taus)."""
+    torch.manual_seed(0)
+    taus = torch.randn(2, 6, 1) @ torch.randn(2, 1, 5)  # two rank-1 matrices: A has rank 2 of 5
+    merged = wudi_closed_form(taus)
+    a = sum(t.T @ t / t.square().sum() for t in taus)
+    b = sum(t @ t.T @ t / t.square().sum() for t in taus)
+    torch.testing.assert_close(merged @ a, b, rtol=1e-4, atol=1e-6)
+    eigenvalues, vectors = torch.linalg.eigh(a.double())
+    null = vectors[:, eigenvalues < 1e-9].float()
+    torch.testing.assert_close(merged @ null, taus.sum(0) @ null, rtol=1e-4, atol=1e-6)
+
+
+def test_regmean_is_the_closed_form_with_reduced_off_diagonals(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "full")
+    torch.manual_seed(1)
+    layers = linear_layers(model)
+    grams = {}
+    for task in TASKS:
+        grams[task] = {}
+        for name, layer in layers.items():
+            x = torch.randn(40, layer.base_layer.in_features)
+            grams[task][name] = x.T @ x / 40
+    merge_grafts(model, list(TASKS), "regmean", grams=grams, regmean_alpha=0.5)
+    taus, result = per_tensor(model, list(TASKS)), per_tensor(model, ["merged"])
+    for name, stacked in taus.items():
+        module, attr = name.rsplit(".", 1)
+        if module in layers and attr == "weight":
+            g = [reduce_off_diagonal(grams[t][module], 0.5).double() for t in TASKS]
+            expected = torch.linalg.inv(sum(g)) @ sum(gi @ t.T.double() for gi, t in zip(g, stacked, strict=True))
+            torch.testing.assert_close(result[name][0].double(), expected.T, rtol=1e-4, atol=1e-8)
+        else:  # biases, LayerNorm, embeddings: the mean
+            torch.testing.assert_close(result[name][0], stacked.mean(0), rtol=1e-6, atol=1e-9)
+    gram = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
+    assert torch.equal(reduce_off_diagonal(gram, 0.5), torch.tensor([[2.0, 0.5], [0.5, 3.0]]))
+
+
+def test_input_grams_are_the_mean_outer_products_of_each_linear_input(pre):  # noqa: F811
+    model = clone_model(pre)
+    seen = {}
+    handle = model.bert.encoder.layer[0].intermediate.dense.register_forward_hook(
+        lambda m, i, o: seen.setdefault("x", []).append(i[0].reshape(-1, i[0].shape[-1]))
+    )
+    batches = [{"input_ids": input_ids(3, 5, seed=s)} for s in range(4)]
+    grams = input_grams(model, batches, max_examples=5)  # 3 + 3 examples: the third batch is not run
+    handle.remove()
+    x = torch.cat(seen["x"])
+    assert x.shape[0] == 2 * 3 * 5
+    torch.testing.assert_close(grams["bert.encoder.layer.0.intermediate.dense"], x.T @ x / x.shape[0])
+    assert "classifier" in grams and "bert.pooler.dense" in grams
+    with pytest.raises(ValueError, match="max_examples must be a positive int"):
+        input_grams(model, batches, max_examples=0)
+
+
+@pytest.mark.parametrize("rule", ["task_arithmetic", "ties", "consensus_ta", "consensus_ties"])
+def test_lines_scales_the_merged_vector_by_depth(pre, folders, rule):  # noqa: F811
+    model = loaded(pre, folders, "full")
+    options = dict(weights=0.5) | (dict(density=0.3) if "ties" in rule else {})
+    merge_grafts(model, list(TASKS), rule, "plain", **options)
+    merge_grafts(model, list(TASKS), rule, "lines", lines=(0.4, 0.6), **options)
+    plain, scaled = per_tensor(model, ["plain"]), per_tensor(model, ["lines"])
+    for name in plain:
+        block = block_index(name)
+        factor = 0.4 + (0.6 * block if block is not None else 0.0)  # two blocks: 0 -> alpha, 1 -> alpha + beta
+        torch.testing.assert_close(scaled[name], plain[name] * factor, rtol=1e-6, atol=0)
+    assert lines_scales(["e", "x.0.a", "x.3.b", "x.6.c"], 1.0, 0.6) == {"e": 1.0, "x.0.a": 1.0, "x.3.b": 1.3,
+                                                                        "x.6.c": 1.6}  # fmt: skip
+
+
+def test_stitch_with_a_scale(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "sparse")
+    merge_grafts(model, list(TASKS), "stitch")
+    merged = merge_grafts(model, list(TASKS), "stitch", "scaled", scale=1.5)
+    plain, scaled = task_vectors(model, ["merged", "scaled"])
+    torch.testing.assert_close(scaled, 1.5 * plain, rtol=1e-6, atol=0)
+    assert merged.options["scale"] == 1.5 and merged.num_entries == int((plain != 0).sum())
+
+
+def test_task_vector_norms_per_task_and_layer_type(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "full")
+    norms = task_vector_norms(model, list(TASKS))
+    taus = per_tensor(model, list(TASKS))
+    for row, task in enumerate(TASKS):
+        assert norms[task]["total"] == pytest.approx(float(task_vectors(model, [task])[0].double().norm()), rel=1e-6)
+        query = sum(taus[n][row].double().square().sum() for n in taus if n.endswith("self.query.weight"))
+        assert norms[task]["bert.encoder.layer.attention.self.query.weight"] == pytest.approx(float(query.sqrt()))
+    assert norms["c"]["total"] > 2.5 * norms["a"]["total"]  # fine-tunes of scales 0.01 and 0.03
+    assert layer_type("bert.encoder.layer.11.output.dense.weight") == "bert.encoder.layer.output.dense.weight"
+
+
+def test_tensor_rules_never_hold_an_excluded_entry(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "full")
+    layout = build_layout(model.base_model.model)
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    exclude = Region({name: torch.arange(0, 1024, 3)})
+    merge_grafts(model, list(TASKS), "wudi", exclude=exclude)
+    merge_grafts(model, list(TASKS), "wudi", "all")
+    held = model.base_model.get_region("merged")
+    assert not torch.isin(exclude[name], held[name]).any()  # excluded: never merged
+    assert held[name].numel() == layout.tensors[name].parameter.numel() - exclude[name].numel()
+    assert model.base_model.get_region("all")[name].numel() == layout.tensors[name].parameter.numel()
+
+
+@pytest.mark.parametrize(("rule", "options"), [("ties", dict(weights=0.7, density=0.3)), ("wudi", {}),
+                                               ("dare_linear", dict(weights=0.5, density=0.5, seed=3))])  # fmt: skip
+def test_a_stack_built_once_gives_identical_merges(pre, folders, rule, options):  # noqa: F811
+    model = loaded(pre, folders, "full")
+    stack = TaskVectorStack(model, list(TASKS))
+    merge_grafts(model, list(TASKS), rule, "fresh", **options)
+    merge_grafts(model, list(TASKS), rule, "stacked", stack=stack, **options)
+    merge_grafts(model, list(TASKS), rule, "again", stack=stack, **options)
+    fresh, stacked, again = task_vectors(model, ["fresh", "stacked", "again"])
+    assert torch.equal(fresh, stacked) and torch.equal(fresh, again)
+
+
+def test_a_changed_graft_is_not_served_from_a_stale_stack(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "sparse")
+    stack = TaskVectorStack(model, list(TASKS))
+    merge_grafts(model, list(TASKS), "stitch", "before", stack=stack)
+    model.set_adapter("b")
+    with torch.no_grad():
+        model(input_ids())  # a forward unpacks the loaded (packed) adapter: held anew, the same entries
+    merge_grafts(model, list(TASKS), "stitch", "unpacked", stack=stack)  # accepted: its entries did not change
+    assert torch.equal(*task_vectors(model, ["before", "unpacked"]))
+    layer = next(iter(model.base_model.graft_layers().values()))
+    layer.unpack("b")
+    with torch.no_grad():
+        layer.graft_values["b"].mul_(2.0)  # written in place
+    with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
+        merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+    assert "after" not in model.peft_config
+    stack = TaskVectorStack(model, list(TASKS))
+    model.delete_adapter("c")  # deleted and loaded again, from another graft
+    model.load_adapter(folders["full", "c"], "c")
+    with pytest.raises(ValueError, match=r"Graft 'c' \(task 'c'\) changed"):
+        merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+    fresh = TaskVectorStack(model, list(TASKS))
+    merge_grafts(model, list(TASKS), "stitch", "after", stack=fresh)
+    merge_grafts(model, list(TASKS), "stitch", "unstacked")
+    assert torch.equal(*task_vectors(model, ["after", "unstacked"]))
+    with pytest.raises(ValueError, match="holds the grafts"):
+        merge_grafts(model, ["a", "b"], "stitch", "other", stack=fresh)
+    with pytest.raises(ValueError, match="another exclude"):
+        merge_grafts(model, list(TASKS), "stitch", "other", stack=fresh, exclude=Region())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(rule="regmean"), "rule 'regmean' needs grams"),
+        (dict(rule="regmean", grams={"a": {}, "b": {}, "c": {}}), "grams\\['a'\\] has none for linear layer"),
+        (dict(rule="wudi", grams={}), "takes no grams"),
+        (dict(rule="wudi", wudi_steps=5), "takes no wudi_steps"),
+        (dict(rule="wudi_adam", wudi_lr=0.0), "wudi_lr must be"),
+        (dict(rule="stitch_dataless", density=0.5, lines=(1.0, 0.5)), "takes no lines"),
+        (dict(rule="task_arithmetic", lines=(1.0,)), "lines must be"),
+        (dict(rule="ties", density=0.5, scale=2.0), "takes no scale"),
+        (dict(rule="stitch", scale=float("inf")), "scale must be a finite number"),
+    ],
+)
+def test_bad_rule_options_are_refused(pre, folders, options, match):  # noqa: F811
+    model = loaded(pre, folders, "sparse")
+    before = state(model)
+    with pytest.raises(ValueError, match=match):
+        merge_grafts(model, list(TASKS), **options)
+    assert state(model) == before
+
+
+# ------------------------------------------------------------------------------------------ issue 60
+def test_a_graft_given_twice_is_refused_naming_it(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "sparse")
+    for grafts in (["a", "a"], {"x": "b", "y": "b"}):
+        with pytest.raises(ValueError, match=r"grafts names \['.'\] more than once"):
+            merge_grafts(model, grafts, "stitch")
+    assert "merged" not in model.peft_config
+
+
+def test_use_task_after_the_adapter_is_deleted(pre, folders):  # noqa: F811
+    model = loaded(pre, folders, "sparse")
+    merged = merge_grafts(model, list(TASKS), "stitch")
+    model.delete_adapter("merged")
+    with pytest.raises(ValueError, match="'merged' is no longer in the model"):
+        merged.use_task("a")
+
+
+@pytest.fixture
+def saved(pre, folders, tmp_path):  # noqa: F811
+    model = loaded(pre, folders, "sparse")
+    merged = merge_grafts(model, list(TASKS), "stitch")
+    other = merge_grafts(model, list(TASKS), "stitch", "other", scale=0.5)
+    return model, merged.save_pretrained(tmp_path / "one"), other.save_pretrained(tmp_path / "two")
+
+
+def test_loading_under_an_adapter_name_in_use_is_refused(saved):
+    model, folder, _ = saved
+    before = state(model)
+    with pytest.raises(ValueError, match="An adapter named 'a' is already in the model"):
+        MergedGraft.from_pretrained(model, folder, adapter_name="a")
+    assert state(model) == before
+
+
+def rewrite_heads(path, change) -> None:
+    """Rewrite a heads file with ``change(tensors, metadata)`` applied and its file checksum recorded again."""
+    from peft_graft._checksum import state_checksum
+
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+        metadata = dict(handle.metadata())
+    change(tensors, metadata)
+    metadata["checksum"] = state_checksum(tensors, metadata)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def test_heads_of_another_merge_are_refused(pre, saved, tmp_path):  # noqa: F811
+    model, one, two = saved
+    (two / HEADS_FILE).write_bytes((one / HEADS_FILE).read_bytes())  # the heads of merge one beside body two
+    with pytest.raises(ValueError, match="saved with another merged body"):
+        MergedGraft.from_pretrained(clone_model(pre), two)
+    before = state(model)
+    with pytest.raises(ValueError, match="saved with another merged body"):
+        MergedGraft.from_pretrained(model, two, adapter_name="loaded")
+    assert state(model) == before
+    again = MergedGraft.from_pretrained(clone_model(pre), one)  # its own heads load
+    again.use_task("b")
+
+
+def test_an_old_heads_file_without_a_body_checksum(pre, saved):  # noqa: F811
+    _, one, _ = saved
+    rewrite_heads(one / HEADS_FILE, lambda tensors, metadata: metadata.pop("body_checksum"))
+    base = clone_model(pre)
+    with pytest.raises(ValueError, match=r"records no checksum of its merged body.*check_body=False"):
+        MergedGraft.from_pretrained(base, one)
+    assert not any("graft" in type(m).__name__.lower() for m in base.modules())  # the base model as it was
+    merged = MergedGraft.from_pretrained(base, one, check_body=False)
+    assert merged.tasks == list(TASKS)
+
+
+def test_a_head_of_another_shape_names_the_head_and_both_shapes(pre, saved):  # noqa: F811
+    _, one, _ = saved
+
+    def widen(tensors, metadata):
+        tensors["b/classifier.weight"] = torch.zeros(5, tensors["b/classifier.weight"].shape[1])
+
+    rewrite_heads(one / HEADS_FILE, widen)
+    with pytest.raises(ValueError, match=r"head tensor 'classifier.weight' of task 'b' has shape \(5, 32\), the merged "
+                                         r"adapter's has \(3, 32\)"):  # fmt: skip
+        MergedGraft.from_pretrained(clone_model(pre), one)
