@@ -667,6 +667,7 @@ def serve_mixed(run: Runner, tasks: dict[str, Task], model: PeftModel, heads, ad
     set_head(model, torch.cat([heads[n] for n in names]))  # every task's head side by side; each row reads its own
     logits = {n: [None] * len(tasks[n].test) for n in names}
     model.eval()
+    model.set_mixed_batch_mode("exact")  # the served rows: each example's graft layers bit for bit its graft alone
     with torch.no_grad():
         for part, batch, adapter_names in mixed_batches(run, tasks, mixed_order(tasks), adapters):
             out = model(**batch, adapter_names=adapter_names).logits

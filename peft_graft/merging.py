@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ._checksum import state_checksum
+from ._files import check_file
 from .merge_rules import layer_type, lines_scales, mean_task_vector, regmean, wudi_adam, wudi_closed_form
 from .parameter_layout import build_layout
 from .regions import Region
@@ -147,7 +148,7 @@ class MergedGraft:
         match (heads of another merge). A file saved before heads recorded it is refused too, unless ``check_body`` is
         False (then save it again to bind them). On any error the model is left as it was."""
         heads_path = Path(path) / HEADS_FILE
-        if not heads_path.is_file():
+        if check_file(heads_path, "task heads file", missing_ok=True) is None:  # a folder, device or FIFO: refused
             raise ValueError(f"{str(path)!r} holds no {HEADS_FILE}: it is not a merged graft saved by MergedGraft.")
         if isinstance(model, PeftModel) and adapter_name in model.peft_config:
             raise ValueError(f"An adapter named {adapter_name!r} is already in the model: load the merged graft under "

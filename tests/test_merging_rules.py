@@ -4,6 +4,8 @@ many merges (identical results, a changed graft refused), input Gram matrices, a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from peft import PeftModel
@@ -273,6 +275,24 @@ def test_heads_of_another_merge_are_refused(pre, saved, tmp_path):  # noqa: F811
     assert state(model) == before
     again = MergedGraft.from_pretrained(clone_model(pre), one)  # its own heads load
     again.use_task("b")
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "folder"])
+def test_a_heads_file_that_is_no_file_is_refused_naming_it(pre, saved, kind):  # noqa: F811
+    """A heads file that links to a device, is a FIFO or a folder: refused at once, never read or waited on."""
+    _, one, _ = saved
+    heads = one / HEADS_FILE
+    heads.unlink()
+    if kind == "device":
+        heads.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(heads)
+    else:
+        heads.mkdir()
+    base = clone_model(pre)
+    with pytest.raises(ValueError, match=f"task heads file.*{HEADS_FILE}"):
+        MergedGraft.from_pretrained(base, one)
+    assert not any("graft" in type(m).__name__.lower() for m in base.modules())
 
 
 def test_an_old_heads_file_without_a_body_checksum(pre, saved):  # noqa: F811
