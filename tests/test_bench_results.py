@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,9 +32,12 @@ def test_the_registry_names_known_measurements_targets_and_source_files():
     assert len({claim.id for claim in C.CLAIMS}) == len(C.CLAIMS)
     for claim in C.CLAIMS:
         assert claim.tolerance >= 0 and claim.claimed > 0, claim.id
-        path = claim.source.split(":")[0]
+        path, _, section = claim.source.split(" ")[0].partition("#")
         if path.endswith(".md"):
             assert (ROOT / path).is_file(), claim.id
+            headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+            assert not section or section in slugs, (claim.id, section)
     default = C.by_id()["mixed.8.default_vs_lora"]
     assert (default.claimed, default.tolerance, default.target) == (1.02, 0.0, "at_most")
 
@@ -66,7 +70,7 @@ def test_render_shows_every_claim_and_each_host_also_where_a_claim_fails(tmp_pat
     row = next(line for line in lines if line.startswith("| `mixed.8.exact`"))
     assert row.endswith("| failed: measurement mixed_8 failed | 1.12x (1.11-1.14), holds | 1.31x (1.30-1.33), "
                         "does not hold here |")  # fmt: skip
-    assert "1.10x ± 0.1 (README.md:129)" in row
+    assert "1.10x ± 0.1 (BENCHMARKS.md#serving-and-decoding)" in row
     assert sum(line.startswith("| `") for line in lines) == len(C.CLAIMS)  # every claim has its row
     other = next(line for line in lines if line.startswith("| `packed.1000`"))
     assert other.endswith("| not measured | not measured | not measured |")
