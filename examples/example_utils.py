@@ -631,7 +631,7 @@ def read_table(
     frame = frame[columns].rename(columns={text_column: "text", label_column: "label"}).reset_index(drop=True)
     for column, name in (("text", text_column), ("label", label_column)):
         if column in frame:
-            _check_cells(frame[column], name_or_path, name)
+            check_cells(frame[column], name_or_path, name)
     no_text = frame["text"].isna().to_numpy()
     if no_text.any():
         raise ValueError(
@@ -686,7 +686,7 @@ def _column_hint(path: Path, columns: list, missing: list[str]) -> str:
 SCALARS = (str, bool, int, float, Decimal, np.bool_, np.integer, np.floating)
 
 
-def _check_cells(column: pd.Series, source: str, name: str) -> None:
+def check_cells(column: pd.Series, source: str, name: str) -> None:
     """A text or label cell holding a list, an object or anything but a string, number or true/false is an error."""
     bad = column.map(lambda value: not (value is None or value is pd.NA or isinstance(value, SCALARS)))
     bad = bad.to_numpy(dtype=bool)

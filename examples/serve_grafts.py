@@ -159,12 +159,14 @@ def read_requests(path: str, tasks: list[str]) -> pd.DataFrame:
             f"{list(frame.columns)})."
         )
     frame = frame[["task", "text"]]
+    for column in frame.columns:  # a list or an object (JSON) is no text nor task name: refused, never its repr
+        U.check_cells(frame[column], path, column)
     empty = frame.isna() | frame.map(lambda value: isinstance(value, str) and not value.strip())
     for column, fix in (("text", "write the text"), ("task", f"name one of {sorted(tasks)} or {BASE!r}")):
         if empty[column].any():
             rows = U.describe_rows(path, empty.index[empty[column]])
             raise ValueError(f"{path!r}: {rows} have no {column} (null or empty): {fix}, or delete those requests.")
-    frame = frame.astype(str)
+    frame = frame.map(U.cell_text)  # a JSON number or true/false as spelled in the file
     unknown = ~frame["task"].isin([*tasks, BASE])
     if unknown.any():
         raise ValueError(

@@ -163,6 +163,8 @@ def test_every_documented_request_format_serves_as_json_lines(served, tmp_path, 
         ('task,text\nsentiment,good\nspam,free prize\nspam,call\n',
          r"2 row\(s\) 1, 2 \(0-based data rows; file lines 3, 4\) ask for tasks \['spam'\] without a graft"),
         ("task,text\n", r"has no rows"),
+        ('{"task": "sentiment", "text": ["good", "film"]}\n', r"1 row\(s\) 0 .* hold a list in column 'text'"),
+        ('{"task": {"name": "sentiment"}, "text": "good"}\n', r"hold an object in column 'task'"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_value_errors_naming_the_file_and_line(tmp_path, content, message):
