@@ -15,17 +15,17 @@ step and a variant step back to back, in turn first (plain first in even pairs),
 tells it to. It prints the median step of each, and per variant the median and quartiles of the paired ratios (each
 variant step over the plain step beside it), which a drifting or loaded host moves far less than a ratio of medians.
 ``alternate`` times the same pairs with every trainer in this process: there the trainers share glibc's heap, so which
-step takes page faults for fresh memory depends on what the other trainers allocated and gave back (BENCHMARKS.md, "Page
-faults" and "Lockstep processes"); in lockstep each trainer has the heap it would have alone. Each timed step's minor
-page faults are counted and printed per variant, paired and in the memory processes. ``--clock cpu`` times the CPU time
-of the main thread instead of the wall clock: with ``--threads 1`` the step runs on it, and other processes on the host
-stop counting (they still share the caches). ``isolated`` (the default for the Llama models, which do not fit twice in
-memory) runs each variant alone in its own process, one after the other: build, one warm-up step, then ``--repeats``
-timed steps. The memory of each variant is measured in its own process: peak RSS of its steps (VmHWM reset through
-``/proc/self/clear_refs`` once the trainer is built and ``malloc_trim`` has returned what creating it freed), the RSS
-after loading the pre-trained model, and the peak while creating the trainer (``get_peft_model``; VmHWM reset after
-loading). With ``--device cuda`` the memory is ``torch.cuda.max_memory_allocated`` (reset the same way) and the steps
-are timed between ``torch.cuda.synchronize()`` calls.
+step takes page faults for fresh memory depends on what the other trainers allocated and gave back (BENCHMARKS.md at
+64e350c, "Page faults" and "Lockstep processes"); in lockstep each trainer has the heap it would have alone. Each timed
+step's minor page faults are counted and printed per variant, paired and in the memory processes. ``--clock cpu`` times
+the CPU time of the main thread instead of the wall clock: with ``--threads 1`` the step runs on it, and other processes
+on the host stop counting (they still share the caches). ``isolated`` (the default for the Llama models, which do not
+fit twice in memory) runs each variant alone in its own process, one after the other: build, one warm-up step, then
+``--repeats`` timed steps. The memory of each variant is measured in its own process: peak RSS of its steps (VmHWM reset
+through ``/proc/self/clear_refs`` once the trainer is built and ``malloc_trim`` has returned what creating it freed),
+the RSS after loading the pre-trained model, and the peak while creating the trainer (``get_peft_model``; VmHWM reset
+after loading). With ``--device cuda`` the memory is ``torch.cuda.max_memory_allocated`` (reset the same way) and the
+steps are timed between ``torch.cuda.synchronize()`` calls.
 
 ``--search none 0.01 reference`` (the default; ``none 0.01`` for the Llama models) times the paper's dense S
 (``none``), ``GraftConfig(search_fraction=0.01)`` (S on the top 1% movement entries plus gamma_base; an int is

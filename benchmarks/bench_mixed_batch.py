@@ -1,7 +1,7 @@
 """Mixed-graft batches (``model(**batch, adapter_names=[...])``) on a random RoBERTa-base-sized classifier
 (125M parameters, built from ``RobertaConfig()``), batch 32 x 128, 2 threads.
 
-Parts (protocol and results in BENCHMARKS.md, "Mixed-graft batches"):
+Parts (current results: BENCHMARKS.md, "Serving and decoding"):
 
 - ``design``: the two ways to apply 8 grafts to one batch, measured on RoBERTa-base's two Linear shapes (768 -> 768
   and 768 -> 3072) over 4,096 tokens, with grafts of 0.01%, 0.1% and 1% of the weight: (a) the base layer once per

@@ -33,7 +33,7 @@ class GraftedTensors(torch.autograd.Function):
     where ``gamma`` was, in the tensor that becomes the gradient of S: the backward is one multiplication by the
     incoming gradient, no second sigmoid, for an S-sized tensor more from forward to backward; the outputs are then
     written into ``pool``'s buffer (a :class:`BufferPool`), released by the backward, so that a step takes no fresh
-    S-sized memory (BENCHMARKS.md, "Lockstep processes").
+    S-sized memory (BENCHMARKS.md at 64e350c, "Lockstep processes").
     ``"recompute"``: only references to S and delta (which exist anyway), and ``gamma`` is overwritten by the outputs;
     the backward takes the ``gamma`` of the rebuild (``"rebuild"``), kept in :data:`RECOMPUTED_GAMMA`, or computes it
     again. The tensor that becomes the gradient of S comes from ``gradients`` (a :class:`GradientSlot`).
@@ -108,9 +108,9 @@ class GradientSlot:
 
     Why: a backward that returns a fresh S-sized tensor lets autograd make it ``S.grad`` without a copy, but the
     optimizer's ``zero_grad(set_to_none=True)`` frees it, and on a CPU fresh memory costs page faults on every step:
-    the dense S of RoBERTa-base's word embeddings (154 MB) took 68-93 ms of a 0.8 s step to zero (BENCHMARKS.md, "The
-    gradient of S kept between steps"), and its encoder layers' 28 MB tensors up to 159 thousand faults a step
-    (BENCHMARKS.md, "Lockstep processes"). A hook keeps ``S.grad`` once autograd has accumulated the tensor this slot
+    the dense S of RoBERTa-base's word embeddings (154 MB) took 68-93 ms of a 0.8 s step to zero (BENCHMARKS.md at
+    64e350c, "The gradient of S kept between steps"), and its encoder layers' 28 MB tensors up to 159 thousand faults
+    a step (the same, "Lockstep processes"). A hook keeps ``S.grad`` once autograd has accumulated the tensor this slot
     gave; :meth:`take` gives it again only while nothing else refers to it (``S.grad`` was set to ``None`` and no one
     kept it), and a fresh tensor otherwise. Only CPU tensors of at least :data:`REUSED_GRADIENT_BYTES` are kept (CUDA's
     caching allocator reuses memory by itself): this keeps their memory between steps.

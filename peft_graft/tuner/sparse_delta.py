@@ -44,7 +44,8 @@ SPARSE_DELTA_MAX_WORK = 0.02
 """A linear layer's call takes the delta path only where (the largest share of its weight's entries a graft holds) x
 (tokens per example) is at most this: the deltas cost one gather and scatter per entry and token, the exact path one
 base call per group. Set from RoBERTa-base batches of 32 x 128 with 8 grafts, where the delta path was faster at 0.01%
-(1.28e-2 here) and slower at 0.1% (1.28e-1); BENCHMARKS.md, "Re-taken side by side (issue 38, second run)"."""
+(1.28e-2 here) and slower at 0.1% (1.28e-1); BENCHMARKS.md at 64e350c, "Re-taken side by side (issue 38, second
+run)"."""
 
 Values = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """One graft's values on a layer, per base tensor name: (flat indices, base values there when built, values: the
