@@ -1,0 +1,58 @@
+"""MaskTrainer under DeepSpeed ZeRO-3: 2 CPU processes (gloo, DeepSpeed's CPU accelerator), every tensor partitioned
+(S included), learn the same S and save the same graft as 1 process on the same global batch, whether the graft was
+created on the whole model or on a model loaded partitioned (``zero.Init``). The runs are tests/ddp_mask_script.py
+with DEEPSPEED=1 (the Trainer's ``deepspeed`` argument)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from testing_utils import TORCHRUN, run_command
+
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: only the torchrun processes use it
+    pytest.skip("DeepSpeed is not installed (pip install -e '.[test]' installs it)", allow_module_level=True)
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_mask_script.py")
+REFUSAL = "evaluation after hardening refused: A graft model's forward cannot run under DeepSpeed ZeRO-3 once"
+
+
+def check_same_learning(one, two) -> None:
+    """S of the checkpoint to fp32 rounding (gathered from the partitions), the checkpoint's and the final graft bit
+    for bit."""
+    scores_one = load_file(one / "checkpoint-2" / "graft_scores.safetensors")
+    scores_two = load_file(two / "checkpoint-2" / "graft_scores.safetensors")
+    assert scores_one.keys() == scores_two.keys()
+    for name in scores_one:
+        torch.testing.assert_close(scores_one[name], scores_two[name], rtol=1e-5, atol=1e-4)
+    assert any(bool((s > -10).any()) for s in scores_one.values())  # S moved
+    for folder in ("checkpoint-2", "final"):
+        graft_one = load_file(one / folder / "adapter_model.safetensors")
+        graft_two = load_file(two / folder / "adapter_model.safetensors")
+        assert graft_one.keys() == graft_two.keys()
+        for name in graft_one:
+            assert torch.equal(graft_one[name], graft_two[name]), (folder, name)
+        assert sum(v.numel() for k, v in graft_one.items() if k.endswith("graft_values")) > 0
+        # the head stored whole (modules_to_save) was gathered from its partitions, not saved as ZeRO-3's placeholders
+        heads = [v for k, v in graft_two.items() if "classifier" in k]
+        assert heads and all(v.numel() > 0 for v in heads)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_under_zero3_learn_the_same_mask_as_one(tmp_path, monkeypatch):
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one"), "0.3"], tmp_path)
+    assert "world_size=1 accumulation=4 sharded=False partitioned=False" in single
+    report = single.split("partitioned=False ")[1].splitlines()[0]
+    monkeypatch.setenv("DEEPSPEED", "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for zero_init in ("0", "1"):  # the graft created on the whole model; on the model loaded partitioned
+        monkeypatch.setenv("ZERO_INIT", zero_init)
+        double = run_command([*TORCHRUN, SCRIPT, str(tmp_path / f"two{zero_init}"), "0.3"], tmp_path)
+        assert "world_size=2 accumulation=2 sharded=False partitioned=True" in double  # ZeRO-3 partitioned the model
+        assert double.split("partitioned=True ")[1].splitlines()[0] == report
+        assert REFUSAL in double
+        check_same_learning(tmp_path / "one", tmp_path / f"two{zero_init}")
