@@ -115,11 +115,8 @@ def main(output_dir: str, search_fraction: float | None) -> None:
     if trainer.is_world_process_zero():
         accumulation = trainer.args.gradient_accumulation_steps
         sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
-        partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-        print(
-            f"world_size={args.world_size} accumulation={accumulation} sharded={sharded} partitioned={partitioned} "
-            f"{trainer.mask_report}"
-        )
+        print(f"partitioned={any(hasattr(p, 'ds_id') for p in model.parameters())}")  # by DeepSpeed ZeRO-3
+        print(f"world_size={args.world_size} accumulation={accumulation} sharded={sharded} {trainer.mask_report}")
     if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads sometimes abort the process
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
