@@ -7,8 +7,9 @@ process's run: :func:`local_flat` gives it and where it starts, :func:`read_entr
 collective). Plain tensors pass through unchanged, so the same code serves one process, DDP and FSDP2.
 
 DeepSpeed ZeRO-3 partitions each parameter into a flat piece per process and leaves an empty placeholder in the module
-outside the forward of the module that owns it (or of a ZeRO-3 leaf module above it). :func:`gathered` makes such
-parameters whole around a read (a collective); :func:`read_entries` and :func:`whole` gather them themselves.
+outside the forward of the module that owns it (or of one that registered it as an external parameter).
+:func:`gathered` makes such parameters whole around a read (a collective); :func:`read_entries` and :func:`whole` gather
+them themselves.
 """
 
 from __future__ import annotations

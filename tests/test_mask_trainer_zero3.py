@@ -56,3 +56,21 @@ def test_two_processes_under_zero3_learn_the_same_mask_as_one(tmp_path, monkeypa
         assert double.split("sharded=False ")[1].splitlines()[0] == report
         assert REFUSAL in double
         check_same_learning(tmp_path / "one", tmp_path / f"two{zero_init}")
+
+
+@pytest.mark.multiprocess
+def test_two_processes_under_zero3_select_the_same_mask_with_the_sign_test(tmp_path, monkeypatch):
+    """Evaluation during training under ZeRO-3 (the starting mask and every step, with selection_alpha): the same
+    selection report and kept graft as one process."""
+    monkeypatch.setenv("SELECT", "1")
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)
+    monkeypatch.setenv("DEEPSPEED", "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    double = run_command([*TORCHRUN, SCRIPT, str(tmp_path / "two")], tmp_path)
+    report = single.split("accumulation=4 sharded=False ")[1].splitlines()[0]
+    assert "'evaluated_masks': 2" in report and "best_learned_p_value" in report  # the sign test ran
+    assert "partitioned=True" in double and double.split("accumulation=2 sharded=False ")[1].splitlines()[0] == report
+    graft_one = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    graft_two = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
+    assert graft_one.keys() == graft_two.keys()
+    assert all(torch.equal(graft_one[name], graft_two[name]) for name in graft_one)

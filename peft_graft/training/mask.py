@@ -277,8 +277,8 @@ class MaskTrainer(LossTermsTrainer):
         graft layer reads its base tensors and S in its own forward, so each of them is registered as an external
         parameter of the graft layer (``deepspeed.zero.register_external_parameter``): ZeRO-3 gathers them for its
         forward and backward, and reduce-scatters S's gradient (averaged, as DDP does) once autograd has accumulated
-        it. (Not a ZeRO-3 leaf module: ZeRO-3 reduces a leaf's gradients from a module backward hook, which fires when
-        the gradient reaches the layer's inputs, or its output for an embedding, before S's gradient is computed.)
+        it. (Not a ZeRO-3 leaf module: ZeRO-3 reduces a leaf's gradients from a module backward hook, which can fire
+        before S's gradient is computed, as it did for the embeddings, whose inputs need no gradient.)
         Outside the forward, hardening, evaluation of the hard mask and saving gather S (:meth:`_whole_scores`) and
         read theta_pre at the entries with :func:`~peft_graft.sharding.read_entries`; each of them is a collective."""
         if not self.is_deepspeed_enabled:
