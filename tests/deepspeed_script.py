@@ -113,6 +113,20 @@ def main() -> None:
     )
     attempt(lines, "MaskTrainer (l1_penalty)", lambda: MaskTrainer(model=learning, args=mask_args, train_dataset=data))
     AcceleratorState._reset_state()  # accelerate allows one DeepSpeed Accelerator per process: start afresh
+    best = dict(COMMON, save_strategy="steps", eval_strategy="steps", load_best_model_at_end=True)
+    mask_args = MaskTrainingArguments(output_dir="mask", per_device_train_batch_size=4, deepspeed=ZERO3, **best)
+    sets = dict(train_dataset=data, eval_dataset=data)
+    attempt(lines, "MaskTrainer (load_best_model_at_end)", lambda: MaskTrainer(model=learning, args=mask_args, **sets))
+    AcceleratorState._reset_state()
+    mask_args = MaskTrainingArguments(output_dir="mask", per_device_train_batch_size=4, deepspeed=ZERO3, **COMMON)
+    trainer = MaskTrainer(model=learning, args=mask_args, train_dataset=data)
+    attempt(lines, "MaskTrainer (resuming)", lambda: trainer.train(resume_from_checkpoint="mask/checkpoint-1"))
+    AcceleratorState._reset_state()
+    pre_mlm, finetuned_mlm, mlm_task = make_pair("roberta_mlm")  # lm_head.decoder tied to the word embeddings
+    mlm_config = GraftConfig(finetuned=finetuned_mlm, region="empty", learn_region=True, task_type=mlm_task)
+    tied = get_peft_model(clone_model(pre_mlm), mlm_config)
+    attempt(lines, "MaskTrainer (tied weights)", lambda: MaskTrainer(model=tied, args=mask_args, train_dataset=data))
+    AcceleratorState._reset_state()
     graft = PeftModel.from_pretrained(clone_model(pre), "graft", is_trainable=True)
     attempt(lines, "Trainer on a graft", lambda: Trainer(model=graft, args=args, train_dataset=data).train())
     AcceleratorState._reset_state()  # accelerate allows one DeepSpeed Accelerator per process: start afresh

@@ -1,9 +1,10 @@
 """DeepSpeed under 2 CPU processes (gloo, DeepSpeed's CPU accelerator), through the usual entry points (a Trainer's
 ``deepspeed`` argument, a model loaded under ZeRO-3's ``zero.Init``): a graft created or loaded on a partitioned model
 saves bit for bit what one process saves from the whole model, and leaves the model partitioned; ContinualGrafter,
-merging a partitioned graft, MaskTrainer with what ZeRO-3 cannot serve (l1_penalty) or under ZeRO-2, a Trainer
-running a graft model outside MaskTrainer, and restricted training (ZeRO-3 and ZeRO-2) are refused at once with a
-ValueError naming the way out (FSDP2 or DDP), and leave the model untouched. The runs are tests/deepspeed_script.py;
+merging a partitioned graft, MaskTrainer with what it does not support under ZeRO-3 (l1_penalty, resuming,
+load_best_model_at_end, tied weights) or under ZeRO-2, a Trainer running a graft model outside MaskTrainer, and
+restricted training (ZeRO-3 and ZeRO-2) are refused at once with a ValueError naming the way out (FSDP2 or DDP), and
+leave the model untouched. The runs are tests/deepspeed_script.py;
 MaskTrainer under ZeRO-3 is tests/test_mask_trainer_zero3.py."""
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ ENTRY_POINTS = {
     "merge_and_unload": "Merging a graft cannot run under DeepSpeed ZeRO-3",
     "merge_grafts": "merge_grafts() needs the model's tensors whole, but DeepSpeed ZeRO-3 shards them",
     "MaskTrainer (l1_penalty)": f"{MASK_TRAINER} under DeepSpeed ZeRO-3: l1_penalty reads S outside the graft layers'",
+    "MaskTrainer (load_best_model_at_end)": f"{MASK_TRAINER} under DeepSpeed ZeRO-3: load_best_model_at_end reloads "
+    "S into a partitioned parameter",
+    "MaskTrainer (resuming)": "Resuming mask training (mask/checkpoint-1) under DeepSpeed ZeRO-3 would write S into a "
+    "partitioned parameter",
+    "MaskTrainer (tied weights)": f"{MASK_TRAINER} under DeepSpeed ZeRO-3: a graft layer applies the entries of a tied "
+    "tensor",
     "Trainer on a graft": "A graft model's forward outside MaskTrainer cannot run under DeepSpeed ZeRO-3: under ZeRO-3 "
     "peft_graft runs a graft model's forward only while MaskTrainer learns a region",
     "RestrictTrainingCallback": "Restricted training (TrainingRestriction, RestrictTrainingCallback) cannot run under "
