@@ -43,15 +43,19 @@ def check_same_learning(one, two) -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_under_zero3_learn_the_same_mask_as_one(tmp_path, monkeypatch):
-    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one"), "0.3"], tmp_path)
+@pytest.mark.parametrize(
+    "search_fraction, zero_inits", [(None, ("0",)), (0.3, ("0", "1"))], ids=["dense", "search_space"]
+)
+def test_two_processes_under_zero3_learn_the_same_mask_as_one(tmp_path, monkeypatch, search_fraction, zero_inits):
+    extra = [] if search_fraction is None else [str(search_fraction)]
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one"), *extra], tmp_path)
     assert "partitioned=False\nworld_size=1 accumulation=4 sharded=False" in single
     report = single.split("sharded=False ")[1].splitlines()[0]
     monkeypatch.setenv("DEEPSPEED", "1")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for zero_init in ("0", "1"):  # the graft created on the whole model; on the model loaded partitioned
+    for zero_init in zero_inits:  # the graft created on the whole model; on the model loaded partitioned
         monkeypatch.setenv("ZERO_INIT", zero_init)
-        double = run_command([*TORCHRUN, SCRIPT, str(tmp_path / f"two{zero_init}"), "0.3"], tmp_path)
+        double = run_command([*TORCHRUN, SCRIPT, str(tmp_path / f"two{zero_init}"), *extra], tmp_path)
         assert "partitioned=True\nworld_size=2 accumulation=2 sharded=False" in double  # ZeRO-3 partitioned it
         assert double.split("sharded=False ")[1].splitlines()[0] == report
         assert REFUSAL in double
