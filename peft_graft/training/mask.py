@@ -309,11 +309,11 @@ class MaskTrainer(LossTermsTrainer):
                 )
         if why is not None:
             raise ValueError(f"{action} under DeepSpeed ZeRO-3: {why}, or use DDP or FSDP2. See docs/fsdp.md.")
-        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        import deepspeed
 
         for layer in self.model.base_model.graft_layers().values():
             for param in layer.parameters():  # its base tensors, S and stored regions: gathered for its forward
-                register_external_parameter(layer, param)
+                deepspeed.zero.register_external_parameter(layer, param)
         return True
 
     @staticmethod
