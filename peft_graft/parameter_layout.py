@@ -166,7 +166,8 @@ def build_layout(model: nn.Module) -> Layout:
 def num_base_parameters(model: nn.Module) -> int:
     """All parameters of the plain model under peft's wrappers, each tensor once (tied tensors once): a wrapped layer
     counts its base layer, a ``modules_to_save`` head its original module, never an adapter's own tensors (graft
-    values, scores S, head copies). The denominator of a graft's ``fraction_of_parameters``."""
+    values, scores S, head copies). The denominator of a graft's ``fraction_of_parameters``; a parameter DeepSpeed
+    ZeRO-3 partitions counts its whole size (``ds_numel``)."""
     skip: set[str] = set()  # "name." of the modules whose parameters are an adapter's
     seen: set[int] = set()
     total = 0
@@ -181,7 +182,7 @@ def num_base_parameters(model: nn.Module) -> int:
         for param in module._parameters.values():
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
-                total += param.numel()
+                total += getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3: not the placeholder
     return total
 
 

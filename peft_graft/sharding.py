@@ -5,11 +5,18 @@ a contiguous run of rows (``torch.chunk``'s split; trailing processes may hold n
 its forward and backward. Outside them, code that reads or writes parameter entries by flat index works on this
 process's run: :func:`local_flat` gives it and where it starts, :func:`read_entries` reads entries anywhere (one small
 collective). Plain tensors pass through unchanged, so the same code serves one process, DDP and FSDP2.
+
+DeepSpeed ZeRO-3 partitions each parameter into a flat piece per process and leaves an empty placeholder in the module
+outside the forward of the module that owns it (or of one that registered it as an external parameter).
+:func:`gathered` makes such parameters whole around a read (a collective); :func:`read_entries` and :func:`whole` gather
+them themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,6 +59,9 @@ def read_entries(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``tensor`` flattened at ``indices`` (int), bit for bit, on every process. For a sharded tensor this is a
     collective (every process calls it, in the same order): each fills in the entries it holds and an integer sum
     of the bit patterns, zero elsewhere, hands every process all of them."""
+    if is_partitioned(tensor):
+        with gathered([tensor]):
+            return tensor.detach().reshape(-1)[indices.to(tensor.device, torch.int64)].clone()
     if not is_sharded(tensor):
         return tensor.detach().reshape(-1)[indices.to(tensor.device, torch.int64)]
     flat, start = local_flat(tensor)
@@ -65,7 +75,11 @@ def read_entries(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` whole, gathered from every process when FSDP2 shards it (a collective then)."""
+    """``tensor`` whole, gathered from every process when FSDP2 shards it or ZeRO-3 partitions it (a collective
+    then; a copy for ZeRO-3)."""
+    if is_partitioned(tensor):
+        with gathered([tensor]):
+            return tensor.detach().clone()
     return tensor.full_tensor() if is_sharded(tensor) else tensor
 
 
@@ -88,13 +102,35 @@ def is_partitioned(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")
 
 
+def is_gathered(tensor: torch.Tensor) -> bool:
+    """Whether a ZeRO-3 partitioned ``tensor`` holds its whole data now (inside the forward that fetched it, or
+    :func:`gathered`)."""
+    return getattr(tensor, "ds_status", None) is not None and tensor.ds_status.name != "NOT_AVAILABLE"
+
+
+@contextlib.contextmanager
+def gathered(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Within this context, the ZeRO-3 partitioned ones among ``tensors`` are whole on every process, for reading:
+    ``deepspeed.zero.GatheredParameters`` (a collective: every process enters it, in the same order) over those not
+    already whole (whole ones stay as they are: re-partitioning them would pull them from under a running forward).
+    Nothing happens for plain, DDP or FSDP2 tensors."""
+    partitioned = [tensor for tensor in tensors if is_partitioned(tensor) and not is_gathered(tensor)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
 def sharding_engine(tensors) -> tuple[str, str] | None:
     """``(engine, name)`` of the first of the named ``tensors`` (``(name, tensor)`` pairs) sharded by FSDP2 or
-    partitioned by DeepSpeed ZeRO-3, or ``None`` when all are whole."""
+    partitioned by DeepSpeed ZeRO-3 (and not :func:`gathered` now), or ``None`` when all are whole."""
     for name, tensor in tensors:
         if is_sharded(tensor):
             return "FSDP2", name
-        if is_partitioned(tensor):
+        if is_partitioned(tensor) and not is_gathered(tensor):
             return "DeepSpeed ZeRO-3", name
     return None
 
@@ -112,14 +148,13 @@ def refuse_sharded(tensors, action: str, way_out: str) -> None:
 
 
 DEEPSPEED_REFUSAL = (
-    "peft_graft does not support DeepSpeed (any ZeRO stage). ZeRO-3 partitions every parameter, the graft's own "
-    "tensors and S included, and gathers a module's parameters only around that module's own forward, while a graft "
-    "layer reads its base weight, values and S in its forward, and hardening, restriction and saving read them by "
-    "flat index (with DeepSpeed 0.19.8 graft creation on a partitioned model sees empty tensors, and a graft model's "
-    "forward fails in ZeRO-3's parameter fetch). ZeRO-1/2 step flat fp32 copies of the parameters, which a "
-    "restriction's write-backs and a hardened region would not reach. Use FSDP2 (fully_shard: Trainer fsdp=True with "
-    "fsdp_config={'version': 2}, or an accelerate config with fsdp_version: 2), which shards the frozen model, or "
-    "DDP; see docs/fsdp.md."
+    "peft_graft supports DeepSpeed only for learning a region with MaskTrainer under ZeRO-3 "
+    "(TrainingArguments(deepspeed=<ZeRO-3 config>)) and for creating, loading and saving a graft on a model ZeRO-3 "
+    "partitioned (loaded under zero.Init). ZeRO-3 partitions every parameter and gathers a module's parameters only "
+    "around that module's forward, while merging, restriction and continual learning read and write them by flat "
+    "index; ZeRO-1/2 step flat fp32 copies of the parameters, which a restriction's write-backs and a hardened region "
+    "would not reach. Use FSDP2 (fully_shard: Trainer fsdp=True with fsdp_config={'version': 2}, or an accelerate "
+    "config with fsdp_version: 2), which shards the frozen model, or DDP; see docs/fsdp.md."
 )
 
 
@@ -146,6 +181,6 @@ def refuse_deepspeed(action: str, model: torch.nn.Module | None = None, running:
         raise deepspeed_refusal(action, engine)
 
 
-def deepspeed_refusal(action: str, engine: str = "DeepSpeed") -> ValueError:
-    """The error refusing ``action`` under ``engine`` (DeepSpeed), with the way out."""
-    return ValueError(f"{action} cannot run under {engine}: {DEEPSPEED_REFUSAL}")
+def deepspeed_refusal(action: str, engine: str = "DeepSpeed", reason: str = DEEPSPEED_REFUSAL) -> ValueError:
+    """The error refusing ``action`` under ``engine`` (DeepSpeed), with ``reason`` and the way out."""
+    return ValueError(f"{action} cannot run under {engine}: {reason}")

@@ -1,15 +1,18 @@
-"""Run by tests/test_deepspeed.py under torchrun (2 CPU processes, gloo, DeepSpeed's CPU accelerator): every entry
-point of peft_graft refuses DeepSpeed ZeRO-3 (and restricted training ZeRO-2) at once with a ``ValueError`` naming
-the way out, and changes nothing.
+"""Run by tests/test_deepspeed.py under torchrun (2 CPU processes, gloo, DeepSpeed's CPU accelerator): a graft
+created or loaded on a model ZeRO-3 partitioned (loaded under ``zero.Init``) saves the graft one process saves from
+the whole model; every entry point peft_graft does not support under DeepSpeed refuses it at once with a
+``ValueError`` naming the way out, and changes nothing.
 
 Usage: torchrun --nproc_per_node 2 tests/deepspeed_script.py (in an empty folder). Writes rank<N>.txt: one line per
-entry point, ``<entry point> refused: <message>`` (or ``... ran``, which the test fails on).
+entry point, ``<entry point> refused: <message>`` (or ``... ran``), and ``<check>: <result>`` lines.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from accelerate.state import AcceleratorState
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
 from testing_utils import VOCAB, clone_model, exit_rank, make_pair
 from transformers import RobertaForSequenceClassification, Trainer, TrainingArguments
 from transformers.integrations import deepspeed_config
@@ -32,6 +36,8 @@ from peft_graft import (
     RestrictTrainingCallback,
 )
 from peft_graft.merging import merge_grafts
+
+WEIGHTS = "adapter_model.safetensors"
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -51,6 +57,16 @@ def attempt(lines: list[str], what: str, action) -> None:
         lines.append(f"{what} refused: {error}")
 
 
+def same_save(first: str, second: str) -> bool:
+    """Whether two graft folders hold the same tensors, bit for bit, and the same config (but the base model's name:
+    the models compared are built in memory or loaded from a folder)."""
+    a, b = load_file(os.path.join(first, WEIGHTS)), load_file(os.path.join(second, WEIGHTS))
+    configs = [json.loads(Path(folder, "adapter_config.json").read_text()) for folder in (first, second)]
+    for config in configs:
+        config.pop("base_model_name_or_path", None)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and configs[0] == configs[1]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     pre, finetuned, task_type = make_pair("roberta_cls")
@@ -58,6 +74,7 @@ def main() -> None:
         pre.save_pretrained("pre")
         graft = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
         graft.save_pretrained("graft")
+        PeftModel.from_pretrained(clone_model(pre), "graft").save_pretrained("graft_loaded")  # one process, whole
     deepspeed.init_distributed(dist_backend="gloo")  # on CPU, TrainingArguments leaves deepspeed.comm to zero.Init
     dist.barrier()
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, deepspeed=ZERO3, **COMMON)
@@ -68,11 +85,20 @@ def main() -> None:
     # A model loaded after TrainingArguments(deepspeed=<ZeRO-3>) is partitioned by zero.Init as it loads.
     partitioned = RobertaForSequenceClassification.from_pretrained("pre")
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in partitioned.parameters())
-    config = GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type)
-    attempt(lines, "get_peft_model", lambda: get_peft_model(partitioned, config))
-    attempt(lines, "PeftModel.from_pretrained", lambda: PeftModel.from_pretrained(partitioned, "graft"))
     attempt(lines, "ContinualGrafter", lambda: ContinualGrafter(partitioned, heads=["classifier"]))
     lines.append(f"untouched: {not any('graft_' in name for name, _ in partitioned.named_parameters())}")
+    # Created and loaded (every process) on a partitioned model: saves what one process saves from the whole model.
+    created = get_peft_model(partitioned, GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
+    still = all(hasattr(p, "ds_id") and p.numel() == 0 for n, p in created.named_parameters() if "base_layer" in n)
+    if dist.get_rank() == 0:
+        created.save_pretrained("created")
+    loaded = PeftModel.from_pretrained(RobertaForSequenceClassification.from_pretrained("pre"), "graft")
+    if dist.get_rank() == 0:
+        loaded.save_pretrained("loaded")
+    dist.barrier()
+    lines.append(f"base still partitioned: {still}")
+    lines.append(f"created saves bit-exact: {same_save('created', 'graft')}")
+    lines.append(f"loaded saves bit-exact: {same_save('loaded', 'graft_loaded')}")
     graft = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
     deepspeed.zero.Init(module=graft, config_dict_or_path=deepspeed_config())  # partitions a graft made whole
     attempt(lines, "merge_and_unload", graft.merge_and_unload)
@@ -82,8 +108,25 @@ def main() -> None:
     whole = clone_model(pre)
     mask_config = GraftConfig(finetuned=finetuned, region="empty", learn_region=True, task_type=task_type)
     learning = get_peft_model(whole, mask_config)
+    mask_args = MaskTrainingArguments(
+        output_dir="mask", per_device_train_batch_size=4, deepspeed=ZERO3, l1_penalty=1e-3, **COMMON
+    )
+    attempt(lines, "MaskTrainer (l1_penalty)", lambda: MaskTrainer(model=learning, args=mask_args, train_dataset=data))
+    AcceleratorState._reset_state()  # accelerate allows one DeepSpeed Accelerator per process: start afresh
+    best = dict(COMMON, save_strategy="steps", eval_strategy="steps", load_best_model_at_end=True)
+    mask_args = MaskTrainingArguments(output_dir="mask", per_device_train_batch_size=4, deepspeed=ZERO3, **best)
+    sets = dict(train_dataset=data, eval_dataset=data)
+    attempt(lines, "MaskTrainer (load_best_model_at_end)", lambda: MaskTrainer(model=learning, args=mask_args, **sets))
+    AcceleratorState._reset_state()
     mask_args = MaskTrainingArguments(output_dir="mask", per_device_train_batch_size=4, deepspeed=ZERO3, **COMMON)
-    attempt(lines, "MaskTrainer", lambda: MaskTrainer(model=learning, args=mask_args, train_dataset=data))
+    trainer = MaskTrainer(model=learning, args=mask_args, train_dataset=data)
+    attempt(lines, "MaskTrainer (resuming)", lambda: trainer.train(resume_from_checkpoint="mask/checkpoint-1"))
+    AcceleratorState._reset_state()
+    pre_mlm, finetuned_mlm, mlm_task = make_pair("roberta_mlm")  # lm_head.decoder tied to the word embeddings
+    mlm_config = GraftConfig(finetuned=finetuned_mlm, region="empty", learn_region=True, task_type=mlm_task)
+    tied = get_peft_model(clone_model(pre_mlm), mlm_config)
+    attempt(lines, "MaskTrainer (tied weights)", lambda: MaskTrainer(model=tied, args=mask_args, train_dataset=data))
+    AcceleratorState._reset_state()
     graft = PeftModel.from_pretrained(clone_model(pre), "graft", is_trainable=True)
     attempt(lines, "Trainer on a graft", lambda: Trainer(model=graft, args=args, train_dataset=data).train())
     AcceleratorState._reset_state()  # accelerate allows one DeepSpeed Accelerator per process: start afresh
@@ -101,6 +144,11 @@ def main() -> None:
     callback = RestrictTrainingCallback(allowed=region)
     restricted = Trainer(model=clone_model(pre), args=args, train_dataset=data, callbacks=[callback])
     attempt(lines, "RestrictTrainingCallback (ZeRO-2)", restricted.train)
+    AcceleratorState._reset_state()
+    mask_args = MaskTrainingArguments(output_dir="mask2", per_device_train_batch_size=4, deepspeed=zero2, **COMMON)
+    mask_config = GraftConfig(finetuned=finetuned, region="empty", learn_region=True, task_type=task_type)
+    learning = get_peft_model(clone_model(pre), mask_config)
+    attempt(lines, "MaskTrainer (ZeRO-2)", lambda: MaskTrainer(model=learning, args=mask_args, train_dataset=data))
     with open(f"rank{dist.get_rank()}.txt", "w") as handle:
         handle.write("\n".join(lines))
     dist.barrier()

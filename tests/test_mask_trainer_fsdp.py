@@ -85,14 +85,15 @@ def test_fsdp2_selects_the_mask_of_one_process_on_a_search_space(tmp_path, monke
 
 def test_other_sharding_engines_are_refused_and_fsdp2_ignores_the_graft_state(tmp_path):
     """What MaskTrainer decides once the Trainer's accelerator knows the engine (an accelerate config file sets it
-    without any training argument): FSDP v1, DeepSpeed and cpu_ram_efficient_loading are clear errors; FSDP2 is
+    without any training argument): FSDP v1, DeepSpeed ZeRO-1/2 and cpu_ram_efficient_loading are clear errors; FSDP2 is
     handed the graft's own modules (S, hard regions, heads stored whole) as ignored: it shards the frozen model only."""
     _, model = learning_graft()
     trainer = MaskTrainer(model=model, args=fast_args(tmp_path), train_dataset=cls_dataset())
     assert trainer._sharded is False
-    trainer.is_deepspeed_enabled = True
-    with pytest.raises(ValueError, match="does not support DeepSpeed"):
-        trainer._prepare_sharding()
+    trainer.is_deepspeed_enabled = True  # ZeRO-3 runs (tests/test_mask_trainer_zero3.py), other stages are refused
+    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    with pytest.raises(ValueError, match="cannot run under DeepSpeed ZeRO-2"):
+        trainer._prepare_deepspeed()
     trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled = False, True
     plugin = SimpleNamespace(fsdp_version=1, cpu_ram_efficient_loading=False, ignored_modules=None)
     trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))

@@ -31,7 +31,7 @@ from transformers.trainer_utils import TrainOutput
 
 from .._files import check_file
 from ..parameter_layout import NO_ENTRIES, num_base_parameters
-from ..sharding import deepspeed_refusal
+from ..sharding import deepspeed_refusal, gathered
 from ..tuner.layer import graft_state_modules
 from ..tuner.learning import RegionLearner, harden_exact
 from ..tuner.model import GraftModel
@@ -198,20 +198,19 @@ class MaskTrainer(LossTermsTrainer):
             )
         if args.fsdp and (args.fsdp_plugin_args or {}).get("fsdp_version", 2) != 2:
             _refuse_engine("FSDP v1 (fsdp_config version 1)")
-        if args.deepspeed:
-            raise deepspeed_refusal("MaskTrainer (TrainingArguments(deepspeed=...))")
         args = copy.copy(args)  # the derived gradient_accumulation_steps is this trainer's, not the caller's
         _configure_global_batch(args, kwargs.get("train_dataset"))
         for name, param in model.named_parameters():  # only S is trained (heads in modules_to_save stay theta_ft)
             param.requires_grad_(f"graft_learning.{adapter_name}.scores" in name)
         super().__init__(model=model, args=args, **kwargs)
+        self.adapter_name = adapter_name
+        self._zero3 = self._prepare_deepspeed()
         self._sharded = self._prepare_sharding()
         self._set_soft_parameter_recomputation()
         # Each micro-batch loss is taken as a mean and divided by the accumulation steps, so that a step's gradient is
         # that of the mean loss over the global batch on any number of processes (many heads, e.g. sequence
         # classification, ignore the num_items_in_batch the Trainer would otherwise rely on).
         self.model_accepts_loss_kwargs = False
-        self.adapter_name = adapter_name
         learners = self.region_learners()
         self._num_moved = sum(int(learner.moved().sum()) for learner in learners.values())
         self._num_parameters = num_base_parameters(model.base_model.model)  # fraction_of_parameters' denominator
@@ -249,8 +248,6 @@ class MaskTrainer(LossTermsTrainer):
         on every process as FSDP's ignored parameters, as under DDP: S's gradient is averaged over the processes once
         per step (:meth:`_average_score_gradients`), and hardening, evaluation and saving read S as one process does.
         Other engines are refused with a clear error."""
-        if self.is_deepspeed_enabled:
-            raise deepspeed_refusal("MaskTrainer (an accelerate config with DeepSpeed)")
         if not self.is_fsdp_enabled:
             return False
         plugin = self.accelerator.state.fsdp_plugin
@@ -270,6 +267,67 @@ class MaskTrainer(LossTermsTrainer):
             ignored = [module for name, module in self.model.named_modules() if re.fullmatch(ignored, name)]
         plugin.ignored_modules = [*ignored, *graft_state]
         return True
+
+    # ------------------------------------------------------------------------------------------ DeepSpeed ZeRO-3
+    def _prepare_deepspeed(self) -> bool:
+        """Whether this run partitions the model with DeepSpeed ZeRO-3 (``TrainingArguments(deepspeed=...)`` or an
+        accelerate config); other ZeRO stages are refused.
+
+        ZeRO-3 partitions every parameter, S included, and gathers a module's own parameters around its forward. A
+        graft layer reads its base tensors and S in its own forward, so each of them is registered as an external
+        parameter of the graft layer (``deepspeed.zero.register_external_parameter``): ZeRO-3 gathers them for its
+        forward and backward, and reduce-scatters S's gradient (averaged, as DDP does) once autograd has accumulated
+        it. (Not a ZeRO-3 leaf module: ZeRO-3 reduces a leaf's gradients from a module backward hook, which can fire
+        before S's gradient is computed, as it did for the embeddings, whose inputs need no gradient.)
+        Outside the forward, hardening, evaluation of the hard mask and saving gather S (:meth:`_whole_scores`) and
+        read theta_pre at the entries with :func:`~peft_graft.sharding.read_entries`; each of them is a collective."""
+        if not self.is_deepspeed_enabled:
+            return False
+        stage = self.accelerator.state.deepspeed_plugin.zero_stage
+        action = "MaskTrainer (TrainingArguments(deepspeed=...) or an accelerate config with DeepSpeed)"
+        if stage != 3:
+            raise deepspeed_refusal(action, f"DeepSpeed ZeRO-{stage}")
+        args, why = self.args, None
+        if args.l1_penalty:
+            why = "l1_penalty reads S outside the graft layers' forward, where ZeRO-3 holds none of it: set it to 0"
+        elif args.load_best_model_at_end:
+            why = "load_best_model_at_end reloads S into a partitioned parameter: set load_best_model_at_end=False"
+        elif any(layer.tied_sources for layer in self.model.base_model.graft_layers().values()):
+            why = (
+                "a graft layer applies the entries of a tied tensor stored on another layer, whose S ZeRO-3 does not "
+                "gather for it: untie the weights (tie_word_embeddings=False)"
+            )
+        if why is None:
+            for layer in self.model.base_model.graft_layers().values():
+                layer.drop_empty_start(self.adapter_name)
+            sizes = ((name, getattr(param, "ds_numel", param.numel())) for name, param in self.model.named_parameters())
+            empty = next((name for name, size in sizes if not size), None)
+            if empty is not None:
+                why = (
+                    f"{empty!r} is empty, and DeepSpeed ZeRO-3 cannot gather an empty parameter: delete the adapter "
+                    "holding it (delete_adapter) before training"
+                )
+        if why is not None:
+            raise ValueError(f"{action} under DeepSpeed ZeRO-3: {why}, or use DDP or FSDP2. See docs/fsdp.md.")
+        import deepspeed
+
+        for layer in self.model.base_model.graft_layers().values():
+            for param in layer.parameters():  # its base tensors, S and stored regions: gathered for its forward
+                deepspeed.zero.register_external_parameter(layer, param)
+        return True
+
+    @staticmethod
+    def _zero3_resume_refusal(path: str) -> ValueError:
+        return ValueError(
+            f"Resuming mask training ({path}) under DeepSpeed ZeRO-3 would write S into a partitioned parameter behind "
+            "the engine's fp32 copy: resume in one process, under DDP or under FSDP2 (a checkpoint's "
+            f"{SCORES_NAME} holds the whole S), or train again. See docs/fsdp.md."
+        )
+
+    def _whole_scores(self):
+        """A context in which every S is whole on every process (ZeRO-3 gathers them: a collective); nothing
+        otherwise."""
+        return gathered(learner.scores for learner in self.region_learners().values())
 
     def _average_score_gradients(self) -> list[Any]:
         """Under FSDP2: hooks averaging each S gradient over the processes once it holds a whole step's gradient (the
@@ -312,16 +370,18 @@ class MaskTrainer(LossTermsTrainer):
         """Size of the current hard region (``round(gamma)`` while learning)."""
         learners = self.region_learners()
         if learners:
-            return sum(learner.num_hard_entries() for learner in learners.values())
+            with self._whole_scores():
+                return sum(learner.num_hard_entries() for learner in learners.values())
         return self.model.base_model.get_region(self.adapter_name).num_entries
 
     def kept_entries(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The hard region hardening would keep now, by module: ``round(gamma)``, or the ``num_entries`` of largest
         gamma (at most the moved entries)."""
         learners = self.region_learners()
-        if self.args.num_entries is None:
-            return {module: learner.harden() for module, learner in learners.items()}
-        return harden_exact(learners, min(self.args.num_entries, self._num_moved))
+        with self._whole_scores():
+            if self.args.num_entries is None:
+                return {module: learner.harden() for module, learner in learners.items()}
+            return harden_exact(learners, min(self.args.num_entries, self._num_moved))
 
     def starting_entries(self) -> Entries:
         """The starting mask gamma_base (its moved entries), by module."""
@@ -347,9 +407,11 @@ class MaskTrainer(LossTermsTrainer):
                 learner.hard = None
 
     def _scores_state(self) -> dict[str, torch.Tensor]:
-        return {
-            module: learner.scores.detach().cpu().contiguous() for module, learner in self.region_learners().items()
-        }
+        with self._whole_scores():
+            return {
+                module: learner.scores.detach().cpu().contiguous().clone()
+                for module, learner in self.region_learners().items()
+            }
 
     def learning_fingerprint(self) -> str:
         """A digest of what the scores belong to: each module's search space, gamma_base and movement, and the budget.
@@ -366,6 +428,8 @@ class MaskTrainer(LossTermsTrainer):
         return self._fingerprint
 
     def _load_scores(self, path: str) -> None:
+        if self._zero3:
+            raise self._zero3_resume_refusal(path)
         check_file(path, "mask-training checkpoint")  # a folder, device or FIFO: a ValueError naming it
         try:
             with safe_open(path, framework="pt") as handle:
@@ -413,6 +477,8 @@ class MaskTrainer(LossTermsTrainer):
         alpha = self.args.selection_alpha
         if self._tracking_best and alpha is not None:
             self._selection = SignificantSelection(alpha, self.args.greater_is_better)
+        if self._zero3 and resume_from_checkpoint:
+            raise self._zero3_resume_refusal(str(resume_from_checkpoint))
         hooks = self._average_score_gradients() if self._sharded else []
         try:  # with _tracking_best, _StartingMaskEvaluation evaluates gamma_base first
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -514,10 +580,11 @@ class MaskTrainer(LossTermsTrainer):
         rounded = self.num_grafted_entries()
         best = self._best
         change = region_change(self.starting_entries(), best[2] if best is not None else self.kept_entries())
-        if best is not None:
-            kept = self.model.base_model.harden_region(self.adapter_name, entries=best[2])
-        else:
-            kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
+        with self._whole_scores():
+            if best is not None:
+                kept = self.model.base_model.harden_region(self.adapter_name, entries=best[2])
+            else:
+                kept = self.model.base_model.harden_region(self.adapter_name, self.args.num_entries)
         if kept == 0:
             logger.warning(
                 "The learned region is empty (no gamma reached 0.5): raise learning_rate or max_steps, or set "
@@ -657,9 +724,11 @@ class MaskTrainer(LossTermsTrainer):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not self._sharded:
+        if not (self._sharded or self._zero3):
             return super().save_model(output_dir, _internal_call)
-        self._save(output_dir)  # the graft is whole on every process: FSDP need not gather the model
+        # FSDP2: the graft is whole on every process, FSDP need not gather the model. ZeRO-3: _save gathers the graft's
+        # own tensors, and theta_pre only at the entries.
+        self._save(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None
@@ -668,13 +737,14 @@ class MaskTrainer(LossTermsTrainer):
         """A loadable sparse graft (the mask evaluation measures); while learning, S rides along for resuming."""
         if self.region_learners():  # a checkpoint of a region still being learned: say so in its config and card
             self._record_provenance(None, kept=None)
-        with self.hard_mask():
-            if self._sharded and not self.args.should_save:  # join the collectives reading theta_pre at the entries
-                get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
+        own = [param for module in graft_state_modules(self.model) for param in module.parameters()]
+        with self.hard_mask(), gathered(own):  # gathered: ZeRO-3 partitions the graft's own tensors too
+            if (self._sharded or self._zero3) and not self.args.should_save:  # join the collectives reading
+                get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)  # theta_pre at the entries
             super()._save(output_dir, state_dict)
+            scores = self._scores_state()  # S whole here on every process (under ZeRO-3 gathered above)
         if not self.args.should_save:  # transformers calls _save on every rank; one writes (others: no folder yet)
             return
-        scores = self._scores_state()
         if scores:
             output_dir = output_dir if output_dir is not None else self.args.output_dir
             metadata = {FINGERPRINT_KEY: self.learning_fingerprint()}

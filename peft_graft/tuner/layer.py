@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..parameter_layout import NO_ENTRIES, FlatIndexSpace, exact_positions
-from ..sharding import is_sharded, read_entries
+from ..sharding import is_partitioned, is_sharded, read_entries
 from .autograd import RecomputeSoftParameters, SoftBackward
 from .entries import SparseEntries, check_entries, entries_of, graft_entries
 from .in_place import (
@@ -365,6 +365,18 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         """Release the learning state of ``adapter_name`` (its hard region stays)."""
         if adapter_name in self.graft_learning:
             del self.graft_learning[adapter_name]
+
+    def drop_empty_start(self, adapter_name: str) -> None:
+        """While ``adapter_name`` learns its region here, drop its stored hard region when that holds no entry (an
+        empty gamma_base on this layer): unused while S trains, set anew when the region is hardened, and an empty
+        parameter, which DeepSpeed ZeRO-3 cannot gather."""
+        values = self.graft_values.get(adapter_name)
+        if not self.is_learning(adapter_name) or values is None or values.numel():
+            return
+        for container in (self.graft_values, self.graft_indices, self.graft_exact_positions, self.graft_exact_values):
+            if adapter_name in container:
+                del container[adapter_name]
+        self._forget(adapter_name)
 
     def learner(self, adapter_name: str) -> RegionLearner | None:
         """The learning state of ``adapter_name``, or ``None`` when its region is hard."""
@@ -738,9 +750,16 @@ class GraftLayer(nn.Module, BaseTunerLayer):
                 for attr, recipe in recipes.items()
             }
             with RecomputeSoftParameters(sources):
-                return torch.func.functional_call(
-                    self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False
-                )
+                return self._base_with(overrides, args, kwargs)
+        return self._base_with(overrides, args, kwargs)
+
+    def _base_with(self, overrides: dict[str, torch.Tensor], args: tuple, kwargs: dict | None = None) -> Any:
+        """The base layer's forward with ``overrides`` in place of its tensors (``functional_call``). Under ZeRO-3 its
+        ``forward`` is called without its module hooks: this layer's forward gathered the base tensors already, and
+        ZeRO-3's hooks would look for partitioned parameters among the overrides."""
+        if self.is_partitioned():
+            with torch.nn.utils.stateless._reparametrize_module(self.base_layer, overrides):
+                return self.base_layer.forward(*args, **(kwargs or {}))
         return torch.func.functional_call(self.base_layer, overrides, args, kwargs, tie_weights=False, strict=False)
 
     def _sources(self) -> dict[str, tuple[GraftLayer, str]]:
@@ -775,7 +794,9 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         plan = self._in_place_plans.get(adapters)
         if plan is not None and plan.is_current():
             return plan
-        if _refuse_sharded(self.base_layer, self.stored_attrs) or not self._hard_sources(adapters):
+        if _refuse_sharded(self.base_layer, self.stored_attrs) or self.is_partitioned():
+            return None
+        if not self._hard_sources(adapters):
             return None
         writes: list[InPlaceWrite] = []
         plan = InPlacePlan(writes)
@@ -803,6 +824,11 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         else:
             self._in_place_plans[adapters] = plan
         return plan
+
+    def is_partitioned(self) -> bool:
+        """Whether DeepSpeed ZeRO-3 partitions the base tensors this layer grafts (then no entry is written in place:
+        the whole tensors exist only within this layer's forward, which ZeRO-3 gathers as its external parameters)."""
+        return any(is_partitioned(getattr(self.base_layer, attr)) for attr in self._sources())
 
     def _row_learning_adapter(self) -> str | None:
         """The learning adapter, when this layer is a plain ``nn.Embedding`` that only it changes: then a batch needs
@@ -852,7 +878,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         pattern = learner.linear_pattern(attrs, shape, input.device)
         if base.weight.dtype == torch.float32 and not pattern.sparse_is_cheaper(input.numel() // base.in_features):
             overrides = self.effective_parameters(self.active_adapters)  # the soft weight copy (GraftedSearchSpace)
-            return torch.func.functional_call(base, overrides, (input,), tie_weights=False, strict=False)
+            return self._base_with(overrides, (input,))
         out = base(input)
         delta = learner.linear_delta(input, attrs, shape)
         return out if delta is None else out + delta

@@ -17,7 +17,7 @@ from torch import nn
 from ..parameter_layout import NO_ENTRIES, PEFT_PREFIX, build_layout, num_base_parameters, peft_free_name
 from ..regions import Region
 from ..scores.movement import saved_whole_module
-from ..sharding import is_partitioned, refuse_deepspeed
+from ..sharding import deepspeed_refusal, gathered, is_partitioned, refuse_deepspeed
 from . import provenance
 from .config import GRAFT_PREFIX, GraftConfig, _check_count
 from .entries import check_entries
@@ -88,11 +88,24 @@ class GraftModel(BaseTuner):
             )
         try:
             _check_no_graft_layer_stored_whole(model, config, adapter_name)
-            refuse_deepspeed(f"Creating or loading graft adapter {adapter_name!r}", model, running=False)
             _check_modules_to_save_not_nested(model, config, adapter_name)
         except ValueError:
             del self.peft_config[adapter_name]
             raise
+        # A model ZeRO-3 partitioned as it loaded (zero.Init) is gathered whole on every process while the graft is
+        # built (a collective: every process creates or loads it); the graft's own tensors stay whole.
+        with gathered(list(model.parameters())):
+            self._inject_graft(model, adapter_name, config, autocast_adapter_dtype, low_cpu_mem_usage)
+
+    def _inject_graft(
+        self,
+        model: nn.Module,
+        adapter_name: str,
+        config: GraftConfig,
+        autocast_adapter_dtype: bool,
+        low_cpu_mem_usage: bool,
+    ) -> None:
+        """Plan the graft and inject its layers (the model's tensors whole)."""
         layout = build_layout(model)
         if config.is_created:
             self._plan = plan_loaded_graft(config, layout, model, adapter_name)
@@ -189,7 +202,9 @@ class GraftModel(BaseTuner):
         layers = self._adapter_modules()[0]  # cached; ZeRO-3 partitions every parameter: one shows it
         first = next(iter(layers[0].base_layer._parameters.values()), None) if layers else None
         if first is not None and is_partitioned(first):
-            refuse_deepspeed("A graft model's forward", self.model, running=False)
+            check_zero3_forward(layers)
+            with model_forward(self):  # nothing written in place: ZeRO-3 gathers each layer's tensors for its forward
+                return self.model.forward(*args, **kwargs)
         with model_forward(self), written_in_place(self._graft_layers_for_inference()):
             return self.model.forward(*args, **kwargs)
 
@@ -739,6 +754,34 @@ def _check_modules_to_save_not_nested(model: nn.Module, config: GraftConfig, ada
                 "cannot store nested modules whole (the save would not load). Store the same module whole in every "
                 f"graft (e.g. modules_to_save=[{other!r}]), or use separate copies of the base model."
             )
+
+
+def check_zero3_forward(layers: list[GraftLayer]) -> None:
+    """A graft model runs under DeepSpeed ZeRO-3 only as ``MaskTrainer`` prepares it: the tensors of every graft layer
+    registered as its external parameters (ZeRO-3 then gathers its base tensors and S for its forward, which reads
+    them itself, not through its base layer's forward), every one partitioned by the engine (a region hardened
+    afterwards is not)."""
+    for layer in layers:
+        if any(not is_partitioned(param) for param in layer.parameters()):
+            raise ValueError(
+                "A graft model's forward cannot run under DeepSpeed ZeRO-3 once its region was hardened after the "
+                "engine partitioned the model (the hard region is not partitioned): save it (trainer.save_model(), "
+                "on every process) and load it with PeftModel.from_pretrained in one process, under DDP or under "
+                "FSDP2 to evaluate or serve it. See docs/fsdp.md."
+            )
+        registered = getattr(layer, "_external_params", {})
+        if any(id(param) not in registered for param in layer.parameters()):
+            raise deepspeed_refusal(
+                "A graft model's forward outside MaskTrainer", "DeepSpeed ZeRO-3", ZERO3_FORWARD_WAY_OUT
+            )
+
+
+ZERO3_FORWARD_WAY_OUT = (
+    "under ZeRO-3 peft_graft runs a graft model's forward only while MaskTrainer learns a region "
+    "(TrainingArguments(deepspeed=<ZeRO-3 config>)), which registers the tensors of every graft layer with ZeRO-3 "
+    "before DeepSpeed wraps the model. Evaluate or serve a graft in one process, under DDP or under FSDP2. See "
+    "docs/fsdp.md."
+)
 
 
 def check_adapter_name(name: object) -> None:

@@ -68,7 +68,7 @@ from .._checksum import (
 )
 from .._files import check_file, is_local_path, open_file, read_file, read_json
 from ..parameter_layout import PEFT_PREFIX
-from ..sharding import refuse_sharded
+from ..sharding import is_sharded, refuse_sharded
 from .card import card_location, pushing, write_graft_card
 from .config import GRAFT_NAME, GRAFT_PREFIX
 from .in_place import state_change
@@ -334,8 +334,11 @@ def wrap_load(original):
     @functools.wraps(original)
     def load_adapter(self, model_id, adapter_name, *args, **kwargs):
         if is_graft_model(self):
+            # ZeRO-3 partitioning the model as it loaded (zero.Init) is fine: the graft is built on the gathered model
+            # and its own tensors stay whole; not once an engine partitioned those too.
+            own = {id(param) for module in graft_state_modules(self) for param in module.parameters()}
             refuse_sharded(
-                self.named_parameters(),
+                ((name, param) for name, param in self.named_parameters() if is_sharded(param) or id(param) in own),
                 f"load_adapter({adapter_name!r})",
                 "load every adapter before sharding the model (PeftModel.from_pretrained, then load_adapter on the "
                 "whole model), then shard it (fully_shard, or the Trainer's fsdp/deepspeed settings); adapter "
