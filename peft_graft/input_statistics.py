@@ -30,9 +30,10 @@ def input_grams(
 ) -> dict[str, torch.Tensor]:
     """Per linear layer (:func:`linear_layers`): the Gram matrix ``X^T X / n`` of its inputs ``X`` (``n`` rows: every
     position of every example, padding included, as RegMean's reference takes them), in float32, from forward hooks on
-    ``model(**batch)`` for each batch (no gradients). With ``max_examples``, batches stop once that many examples have
-    run (checked before each batch, as the reference does: the last batch may overshoot). For RegMean, run it once per
-    task with that task's graft active and a few hundred of its unlabelled inputs."""
+    ``model(**batch)`` for each batch (in eval mode, no gradients; each module's mode restored after). With
+    ``max_examples``, batches stop once that many examples have run (checked before each batch, as the reference does:
+    the last batch may overshoot). For RegMean, run it once per task with that task's graft active and a few hundred of
+    its unlabelled inputs."""
     if max_examples is not None and (isinstance(max_examples, bool) or not isinstance(max_examples, int)
                                      or max_examples < 1):  # fmt: skip
         raise ValueError(f"max_examples must be a positive int or None, got {max_examples!r}.")
@@ -51,6 +52,8 @@ def input_grams(
         return record
 
     handles = [layer.register_forward_hook(hook(name)) for name, layer in layers.items()]
+    modes = {module: module.training for module in model.modules()}
+    model.eval()  # no dropout: the inputs as the merged model sees them, the same on every run
     examples = 0
     try:
         with torch.no_grad():
@@ -64,6 +67,8 @@ def input_grams(
     finally:
         for handle in handles:
             handle.remove()
+        for module, training in modes.items():
+            module.training = training
     if not sums:
         raise ValueError("input_grams ran no batch through a linear layer: give at least one batch of inputs.")
     return {name: (total / rows[name]).float().cpu() for name, total in sums.items()}

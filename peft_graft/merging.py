@@ -413,10 +413,10 @@ class TaskVectorStack:
     (``merge_grafts(..., stack=stack)``): per graft layer, the union of the grafts' flat indices, their values stacked
     ``(num_grafts, n)`` (NaN where a graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere).
 
-    It records each graft's tensors as it read them (held, with their in-place version counters) and a checksum of
-    their entries; a merge given a stack whose grafts' entries have changed since (a region set again, values written
-    in place, an adapter deleted and loaded with others) is refused, naming the graft: build the stack again. Entries
-    held anew but unchanged (a packed adapter unpacked by a forward) are checked by their checksum and accepted.
+    It records a checksum of each graft's entries per layer, and every merge given the stack compares them again (a
+    write through ``.data`` moves no version counter): a stack whose grafts' entries have changed since (a region set
+    again, values written in place, an adapter deleted and loaded with others) is refused, naming the graft; build the
+    stack again. Entries held anew but unchanged (a packed adapter unpacked by a forward) are accepted.
     """
 
     def __init__(self, model: PeftModel, grafts: Mapping[str, str] | Sequence[str], exclude: Region | None = None):
@@ -429,8 +429,8 @@ class TaskVectorStack:
             raise TypeError(f"exclude must be a Region, got {type(exclude).__name__}.")
         _check_grafts(tuner, self.names)
         self.model, self.exclude = model, exclude
-        self.stamps = _stamps(tuner, list(self.names.values()))
-        self.digests = {key: _digest(tuner, *key) for key in self.stamps}
+        self.digests = {(module, name): _digest(tuner, module, name) for module in tuner.graft_layers()
+                        for name in self.names.values()}  # fmt: skip
         self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
         self._flat: torch.Tensor | None = None
 
@@ -449,20 +449,14 @@ class TaskVectorStack:
         """Refuse this stack for a merge of other grafts, another model or exclude, or grafts changed since."""
         if model is not self.model:
             raise ValueError("The TaskVectorStack was built on another model: build one on this model.")
-        if names != self.names:
+        if list(names.items()) != list(self.names.items()):  # rows in build order: weights follow the merge's order
             raise ValueError(f"The TaskVectorStack holds the grafts {self.names}, the merge asks for {names}: pass the "
                              "same grafts (task -> adapter, in the same order) or build another stack.")  # fmt: skip
         if (exclude is None) != (self.exclude is None) or (exclude is not None and exclude != self.exclude):
             raise ValueError("The TaskVectorStack was built with another exclude: build it with this one.")
         tuner = _graft_tuner(model)
-        current = _stamps(tuner, list(names.values()))
-        for key, (tensors, stamp) in self.stamps.items():
-            now = current[key]
-            if now[1] == stamp and all(a is b for a, b in zip(now[0], tensors, strict=True)):
-                continue
-            if _digest(tuner, *key) == self.digests[key]:  # held anew, the same entries (unpacked on a forward, say)
-                self.stamps[key] = now
-            else:
+        for key, digest in self.digests.items():
+            if _digest(tuner, *key) != digest:
                 task = next(t for t, n in names.items() if n == key[1])
                 raise ValueError(
                     f"Graft {key[1]!r} (task {task!r}) changed in {key[0]!r} since the TaskVectorStack was built: "
@@ -480,24 +474,6 @@ def _digest(tuner: GraftModel, module: str, name: str) -> str:
     parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
              "targets": targets.float()}  # fmt: skip
     return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, {})
-
-
-def _stamps(tuner: GraftModel, names: list[str]) -> dict[tuple[str, str], tuple[tuple, tuple]]:
-    """Per (graft layer, adapter): the objects holding its entries and their ``(data_ptr, version)`` stamps."""
-    out = {}
-    for module, layer in tuner.graft_layers().items():
-        for name in names:
-            store = layer.packed.get(name)
-            if store is not None:
-                objects = (store, *store.tensors.values())
-            else:
-                # a BufferDict has no get()
-                containers = (layer.graft_indices, layer.graft_values, layer.graft_exact_positions,
-                              layer.graft_exact_values)  # fmt: skip
-                objects = (layer.learner(name), *(c[name] if name in c else None for c in containers))  # noqa: SIM401
-            stamp = tuple((o.data_ptr(), o._version) if isinstance(o, torch.Tensor) else id(o) for o in objects)
-            out[module, name] = (objects, stamp)
-    return out
 
 
 def _graft_names(grafts: Mapping[str, str] | Sequence[str]) -> dict[str, str]:

@@ -105,7 +105,7 @@ def is_partitioned(tensor: torch.Tensor) -> bool:
 def is_gathered(tensor: torch.Tensor) -> bool:
     """Whether a ZeRO-3 partitioned ``tensor`` holds its whole data now (inside the forward that fetched it, or
     :func:`gathered`)."""
-    return getattr(tensor, "ds_status", None) is not None and tensor.ds_status.name != "NOT_AVAILABLE"
+    return getattr(tensor, "ds_status", None) is not None and tensor.ds_status.name == "AVAILABLE"  # not INFLIGHT
 
 
 @contextlib.contextmanager

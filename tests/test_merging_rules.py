@@ -101,6 +101,9 @@ def test_input_grams_are_the_mean_outer_products_of_each_linear_input(pre):  # n
     assert x.shape[0] == 2 * 3 * 5
     torch.testing.assert_close(grams["bert.encoder.layer.0.intermediate.dense"], x.T @ x / x.shape[0])
     assert "classifier" in grams and "bert.pooler.dense" in grams
+    model.train()  # dropout off while collecting, each module's mode given back after
+    assert torch.equal(input_grams(model, batches[:1])["classifier"], input_grams(model, batches[:1])["classifier"])
+    assert all(module.training for module in model.modules())
     with pytest.raises(ValueError, match="max_examples must be a positive int"):
         input_grams(model, batches, max_examples=0)
 
@@ -195,6 +198,22 @@ def test_a_changed_graft_is_not_served_from_a_stale_stack(pre, folders):  # noqa
         merge_grafts(model, ["a", "b"], "stitch", "other", stack=fresh)
     with pytest.raises(ValueError, match="another exclude"):
         merge_grafts(model, list(TASKS), "stitch", "other", stack=fresh, exclude=Region())
+    with pytest.raises(ValueError, match="holds the grafts"):  # its rows are in build order: weights would swap
+        merge_grafts(model, list(reversed(TASKS)), "stitch", "other", stack=fresh)
+
+
+def test_a_stack_sees_values_written_through_data(pre, folders):  # noqa: F811
+    """A write through ``.data`` moves no version counter: the stack compares the entries on every merge."""
+    model = loaded(pre, folders, "sparse")
+    stack = TaskVectorStack(model, list(TASKS))
+    layer = next(iter(model.base_model.graft_layers().values()))
+    layer.unpack("b")
+    merge_grafts(model, list(TASKS), "stitch", "before", stack=stack)
+    version = layer.graft_values["b"]._version
+    layer.graft_values["b"].data.mul_(2.0)
+    assert layer.graft_values["b"]._version == version
+    with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
+        merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
 
 
 @pytest.mark.parametrize(

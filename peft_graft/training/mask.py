@@ -297,10 +297,11 @@ class MaskTrainer(LossTermsTrainer):
                 "a graft layer applies the entries of a tied tensor stored on another layer, whose S ZeRO-3 does not "
                 "gather for it: untie the weights (tie_word_embeddings=False)"
             )
-        if why is None:
-            for layer in self.model.base_model.graft_layers().values():
-                layer.drop_empty_start(self.adapter_name)
-            sizes = ((name, getattr(param, "ds_numel", param.numel())) for name, param in self.model.named_parameters())
+        layers = self.model.base_model.graft_layers().values()
+        if why is None:  # the empty starts dropped below are no such parameter; checked before anything changes
+            dropped = {id(layer.empty_start(self.adapter_name)) for layer in layers} - {id(None)}
+            sizes = ((name, getattr(param, "ds_numel", param.numel())) for name, param in self.model.named_parameters()
+                     if id(param) not in dropped)  # fmt: skip
             empty = next((name for name, size in sizes if not size), None)
             if empty is not None:
                 why = (
@@ -309,6 +310,8 @@ class MaskTrainer(LossTermsTrainer):
                 )
         if why is not None:
             raise ValueError(f"{action} under DeepSpeed ZeRO-3: {why}, or use DDP or FSDP2. See docs/fsdp.md.")
+        for layer in layers:
+            layer.drop_empty_start(self.adapter_name)
         import deepspeed
 
         for layer in self.model.base_model.graft_layers().values():

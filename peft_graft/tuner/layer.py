@@ -366,12 +366,17 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         if adapter_name in self.graft_learning:
             del self.graft_learning[adapter_name]
 
+    def empty_start(self, adapter_name: str) -> torch.Tensor | None:
+        """The stored hard region's values of ``adapter_name`` while it learns its region here and that region holds
+        no entry (an empty gamma_base on this layer), else ``None``: what :meth:`drop_empty_start` drops."""
+        values = self.graft_values.get(adapter_name)
+        return values if self.is_learning(adapter_name) and values is not None and not values.numel() else None
+
     def drop_empty_start(self, adapter_name: str) -> None:
         """While ``adapter_name`` learns its region here, drop its stored hard region when that holds no entry (an
         empty gamma_base on this layer): unused while S trains, set anew when the region is hardened, and an empty
         parameter, which DeepSpeed ZeRO-3 cannot gather."""
-        values = self.graft_values.get(adapter_name)
-        if not self.is_learning(adapter_name) or values is None or values.numel():
+        if self.empty_start(adapter_name) is None:
             return
         for container in (self.graft_values, self.graft_indices, self.graft_exact_positions, self.graft_exact_values):
             if adapter_name in container:
