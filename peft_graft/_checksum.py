@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._files import check_file, open_file, read_json
+from ._files import open_file, read_json
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -84,8 +84,7 @@ def verify_weights_checksum(folder: str | os.PathLike) -> None:
     weights = os.path.join(folder, WEIGHTS_NAME)
     if not expected or not os.path.lexists(weights):
         return
-    check_file(weights, "adapter weights file")  # a folder, device or FIFO there: a ValueError naming it
-    if file_checksum(weights) != expected:
+    if file_checksum(weights) != expected:  # a folder, device or FIFO there: a ValueError naming it (open_file)
         raise ValueError(
             f"{weights!r} does not match the checksum recorded in its {CONFIG_NAME}: the file is truncated or "
             "corrupt, or was altered after saving. Save or download the adapter again."
