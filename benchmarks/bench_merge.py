@@ -1,14 +1,18 @@
 """The merge phase with the task vectors stacked per merge (as before) against stacked once (:class:`TaskVectorStack`).
 
-A grid of merges of the same full task grafts (every entry moved, as ``examples/run_merge.py``'s global rules) runs
-both ways in one process, alternating the two ways round by round; each round times the whole phase (``--merges``
-merges; the new way includes building its stack). Before timing, the two ways' merged entries are checked equal.
+A dev grid of TIES merges (``examples/run_merge.py``'s: lambda x density) of the same full task grafts (every entry
+moved) runs both ways in one process, alternating the two ways round by round; each round times the whole phase
+(``--merges`` merges; the new way includes building its stack). Before timing, the two ways' merged entries are checked
+equal.
 
     python benchmarks/bench_merge.py                                   # 4 tasks, a MiniLM-sized body (22M entries)
     python benchmarks/bench_merge.py --hidden 64 --layers 2 --rounds 1 # a smoke run
+    python benchmarks/bench_merge.py --against 64e350c                 # this checkout's phase beside a commit's
 
 Prints one JSON line: the sizes, per way the median (and quartiles) of the phase's seconds, and the median of the
-paired ratios stacked-once / per-merge.
+paired ratios stacked-once / per-merge. With ``--against REV``, each round runs the phase in a fresh process of this
+checkout and one of ``REV`` (a git worktree; stacked once where ``REV`` has a ``TaskVectorStack``), alternating which
+goes first, and the ratio is this checkout's / ``REV``'s.
 """
 
 from __future__ import annotations
@@ -17,14 +21,23 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from peft import get_peft_model
 from torch import nn
 
 from peft_graft import GraftConfig
-from peft_graft.merging import TaskVectorStack, merge_grafts
+from peft_graft.merging import merge_grafts
+
+try:
+    from peft_graft.merging import TaskVectorStack
+except ImportError:  # a commit before it (--against): the per-merge way only
+    TaskVectorStack = None
 
 
 class Body(nn.Module):
@@ -64,18 +77,42 @@ def grafted(hidden: int, layers: int, tasks: int):
 
 
 def settings(count: int) -> list[dict]:
-    """``count`` TIES settings of a grid (lambda x density), as a dev grid scores them."""
-    grid = [(w, d) for w in (0.5, 0.7, 1.0, 1.5) for d in (0.1, 0.3, 0.6)]
+    """``count`` TIES settings of run_merge.py's grid (lambda x density, density the inner axis), as it scores them."""
+    grid = [(w, d) for w in (0.3, 0.5, 0.7, 1.0) for d in (0.1, 0.3, 0.6)]
     return [dict(weights=w, density=d) for w, d in grid[:count]]
 
 
 def phase(model, names: list[str], grid: list[dict], stacked: bool) -> float:
     start = time.perf_counter()
-    stack = TaskVectorStack(model, names) if stacked else None
+    extra = {"stack": TaskVectorStack(model, names)} if stacked else {}  # no stack= before TaskVectorStack
     for i, options in enumerate(grid):
-        merge_grafts(model, names, "ties", f"m{i}", stack=stack, **options)
+        merge_grafts(model, names, "ties", f"m{i}", **extra, **options)
         model.delete_adapter(f"m{i}")
     return time.perf_counter() - start
+
+
+def against(args: argparse.Namespace) -> dict:
+    """This checkout's phase beside ``args.against``'s, each round in two fresh processes, alternating the order."""
+    root = Path(__file__).resolve().parent.parent
+    sizes = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--tasks", str(args.tasks),
+             "--merges", str(args.merges)] + (["--threads", str(args.threads)] if args.threads else [])  # fmt: skip
+    times: dict[str, list[float]] = {"this": [], "against": []}
+    with tempfile.TemporaryDirectory() as folder:
+        other = Path(folder) / "code"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(other), args.against], check=True)
+        try:
+            for r in range(args.rounds):
+                for way in ("this", "against") if r % 2 == 0 else ("against", "this"):
+                    code = root if way == "this" else other
+                    command = [sys.executable, str(Path(__file__).resolve()), *sizes, "--phase-only"]
+                    env = {**os.environ, "PYTHONPATH": str(code)}
+                    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+                    times[way].append(json.loads(out.splitlines()[-1])["phase_s"])
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(other)], check=True)
+    ratios = [new / old for new, old in zip(times["this"], times["against"], strict=True)]
+    return {"against": args.against, **{f"{way}_s": t for way, t in times.items()},
+            "ratio_median": statistics.median(ratios)}  # fmt: skip
 
 
 def check_equal(model, names: list[str]) -> None:
@@ -95,13 +132,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--tasks", type=int, default=4)
-    parser.add_argument("--merges", type=int, default=6, help="merges per phase (a dev grid's)")
+    parser.add_argument("--merges", type=int, default=12, help="merges per phase (run_merge.py's TIES grid: 12)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--against", default=None, help="a git revision whose phase is timed beside this checkout's")
+    parser.add_argument("--phase-only", action="store_true", help=argparse.SUPPRESS)  # one phase, for --against
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.against:
+        out = {**against(args), "threads": args.threads, "load": list(os.getloadavg())}
+        print(json.dumps(out))
+        return out
     model, names = grafted(args.hidden, args.layers, args.tasks)
+    if args.phase_only:
+        seconds = phase(model, names, settings(args.merges), stacked=TaskVectorStack is not None)
+        print(json.dumps({"phase_s": seconds, "stacked": TaskVectorStack is not None}))
+        return {"phase_s": seconds}
     check_equal(model, names)
     grid = settings(args.merges)
     times: dict[str, list[float]] = {"per_merge": [], "stacked_once": []}

@@ -48,7 +48,7 @@ def state_checksum(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     for key in sorted(tensors):
         tensor = tensors[key]
         digest.update(json.dumps([key, str(tensor.dtype), list(tensor.shape)]).encode())
-        digest.update(tensor_bytes(tensor).tobytes())
+        digest.update(tensor_bytes(tensor))  # a buffer: hashed without a copy
     return f"sha256:{digest.hexdigest()}"
 
 

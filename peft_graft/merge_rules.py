@@ -1,4 +1,9 @@
-"""The merge rules that act on whole tensors (not entry by entry), and LiNeS's per-layer scaling, on plain tensors.
+"""The merge rules on plain tensors: the trims of the global rules, the rules on whole tensors, LiNeS's scaling.
+
+* **Trims** (:func:`trim`, :func:`combine`): TIES's magnitude trim and sign election, DARE's random drops and
+  Consensus's TALL masks on the flat task vectors ``(T, n)``, exactly as :mod:`peft.utils.merge_utils` computes them
+  (bit for bit, ``tests/test_merging.py``), split in the part that the weights do not change (:func:`trim`, computed
+  once per density by :class:`~peft_graft.merging.TaskVectorStack`) and the weighted combination (:func:`combine`).
 
 :func:`peft_graft.merging.merge_grafts` calls these per stored tensor with the task vectors ``tau_t`` (dense, 0 off a
 graft's region); they know nothing of grafts. Each follows its paper and the reference code's treatment of the tensors
@@ -23,8 +28,74 @@ import re
 from collections.abc import Iterable, Sequence
 
 import torch
+from peft.utils import merge_utils
 
 _BLOCK = re.compile(r"\.(\d+)\.")
+SIGN_RULES = ("ties", "dare_ties", "consensus_ties")  # elect a sign per entry and average the agreeing
+DARE_RULES = ("dare_ties", "dare_linear")
+CONSENSUS_RULES = ("consensus_ta", "consensus_ties")
+
+
+def top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """The entries peft's magnitude pruning keeps (its top ``int(density * n)`` of ``|tau|``), as a mask."""
+    mask = torch.zeros(tau.numel(), dtype=torch.bool)
+    if density >= 1:
+        return mask | True
+    mask[torch.topk(tau.abs(), k=int(density * tau.numel())).indices] = True
+    return mask
+
+
+def consensus_mask(taus: torch.Tensor, k: int, tall_lambda: float) -> torch.Tensor:
+    """Consensus merging's entries (Wang et al., ICML 2024) of the task vectors ``(T, n)``: task t's TALL mask holds
+    ``|tau_t| > tall_lambda * |tau_MTL - tau_t|`` (``tau_MTL = sum_t tau_t``); an entry is kept where at least ``k``
+    masks hold it (dropped from every task vector where fewer do)."""
+    total = taus.sum(0)
+    votes = (taus.abs() > tall_lambda * (total - taus).abs()).sum(0)
+    return votes >= k
+
+
+def trim(
+    taus: torch.Tensor, rule: str, density: float | None, seed: int, majority_sign_method: str, consensus: tuple | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What ``rule`` does to the task vectors ``taus`` ``(T, n)`` before weighting them: the entries each keeps
+    (``None``: all) and, for :data:`SIGN_RULES`, where each agrees with the elected sign (``None`` otherwise), as
+    peft's functions compute them: Consensus's mask (``consensus = (k, tall_lambda)``), then TIES's top-``density``
+    of each ``|tau_t|`` or DARE's drops (Bernoulli per entry, seeded by ``seed``), then the election on the trimmed,
+    unweighted vectors."""
+    keep = None if consensus is None else consensus_mask(taus, *consensus).expand_as(taus)
+    trimmed = taus if keep is None else torch.where(keep, taus, 0.0)
+    if rule in DARE_RULES and density < 1:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drawn = torch.stack([torch.bernoulli(torch.full_like(tau, density)) for tau in trimmed]).bool()
+        keep = drawn if keep is None else keep & drawn
+    elif rule in ("ties", "consensus_ties") and density < 1:
+        kept = torch.stack([top_magnitude(tau, density) for tau in trimmed])
+        keep = kept if keep is None else keep & kept
+    if rule not in SIGN_RULES:
+        return keep, None
+    trimmed = taus if keep is None else torch.where(keep, taus, 0.0)
+    if rule in DARE_RULES and density < 1:
+        trimmed = trimmed / density
+    return keep, merge_utils.calculate_majority_sign_mask(trimmed, method=majority_sign_method)
+
+
+def combine(
+    taus: torch.Tensor,
+    weights: torch.Tensor,
+    trimmed: tuple[torch.Tensor | None, torch.Tensor | None],
+    rule: str,
+    density: float | None,
+) -> torch.Tensor:
+    """The merged task vector ``(n,)`` of ``rule`` from the task vectors ``(T, n)``, the weights ``(T,)`` and their
+    :func:`trim`: the kept entries (DARE's rescaled by ``1 / density``) weighted, then averaged over the entries that
+    agree with the elected sign (:data:`SIGN_RULES`) or summed."""
+    keep, agree = trimmed
+    kept = taus if keep is None else torch.where(keep, taus, 0.0)
+    if rule in DARE_RULES and density < 1:
+        kept = kept / density
+    weighted = kept * weights.view(-1, 1)
+    return merge_utils.disjoint_merge(weighted, agree) if agree is not None else weighted.sum(0)
 
 
 def mean_task_vector(taus: torch.Tensor) -> torch.Tensor:
@@ -109,11 +180,15 @@ def layer_type(name: str) -> str:
 
 __all__ = [
     "block_index",
+    "combine",
+    "consensus_mask",
     "layer_type",
     "lines_scales",
     "mean_task_vector",
     "reduce_off_diagonal",
     "regmean",
+    "top_magnitude",
+    "trim",
     "wudi_adam",
     "wudi_closed_form",
 ]

@@ -36,13 +36,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from peft.utils import merge_utils
 from peft.utils.other import ModulesToSaveWrapper
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -50,7 +50,20 @@ from torch import nn
 
 from ._checksum import state_checksum
 from ._files import check_file
-from .merge_rules import layer_type, lines_scales, mean_task_vector, regmean, wudi_adam, wudi_closed_form
+from .merge_rules import (
+    CONSENSUS_RULES,
+    DARE_RULES,
+    SIGN_RULES,
+    combine,
+    layer_type,
+    lines_scales,
+    mean_task_vector,
+    regmean,
+    top_magnitude,
+    trim,
+    wudi_adam,
+    wudi_closed_form,
+)
 from .parameter_layout import build_layout
 from .regions import Region
 from .sharding import refuse_sharded
@@ -62,7 +75,6 @@ MERGE_RULES = ("stitch", "stitch_dataless", "task_arithmetic", "ties", "dare_tie
                "consensus_ties", "wudi", "wudi_adam", "regmean")  # fmt: skip
 DENSITY_RULES = ("stitch_dataless", "ties", "dare_ties", "dare_linear", "consensus_ties")
 WEIGHTED_RULES = ("task_arithmetic", "ties", "dare_ties", "dare_linear", "consensus_ta", "consensus_ties")
-CONSENSUS_RULES = ("consensus_ta", "consensus_ties")
 TENSOR_RULES = ("wudi", "wudi_adam", "regmean")  # per whole tensor (peft_graft.merge_rules)
 LINES_RULES = ("task_arithmetic", "ties", "consensus_ta", "consensus_ties")
 STITCH_RULES = ("stitch", "stitch_dataless")
@@ -328,7 +340,6 @@ def merge_grafts(
             stack = TaskVectorStack(model, names, exclude)
         else:
             stack.check(model, names, exclude)
-            _check_grafts(tuner, names)
         merged = _merged_entries(tuner, stack, rule, options, grams)
         _check_finite(tuner, merged, rule, options)
         heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
@@ -378,8 +389,9 @@ def _check_options(rule, count, weights, density, majority_sign_method, seed) ->
     return {"weights": weights, "density": density, "majority_sign_method": majority_sign_method, "seed": seed}
 
 
-def _check_grafts(tuner: GraftModel, names: dict[str, str]) -> None:
-    """Same layout (heads), hard regions, recorded theta_pre equal to the model's base values, nothing merged."""
+def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -> None:
+    """Same layout (heads), hard regions, nothing merged and (with ``base``) recorded theta_pre equal to the model's
+    base values."""
     layers = tuner.graft_layers()
     if any(layer.merged for layer in layers.values()):
         raise ValueError("The model has merged adapters: unmerge_adapter() before merging grafts.")
@@ -396,7 +408,7 @@ def _check_grafts(tuner: GraftModel, names: dict[str, str]) -> None:
             )
         if tuner.region_learners(name):
             raise ValueError(f"Graft {name!r} (task {task!r}) is still learning its region: harden_region() first.")
-        for module, layer in layers.items():
+        for module, layer in layers.items() if base else ():
             indices, _ = layer.entries(name)
             recorded = config.base_checksum.get(module)
             if indices.numel() and recorded and layer.base_checksum(indices) != recorded:
@@ -413,11 +425,20 @@ class TaskVectorStack:
     (``merge_grafts(..., stack=stack)``): per graft layer, the union of the grafts' flat indices, their values stacked
     ``(num_grafts, n)`` (NaN where a graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere).
 
-    It records a checksum of each graft's entries per layer, and every merge given the stack compares them again (a
-    write through ``.data`` moves no version counter): a stack whose grafts' entries have changed since (a region set
-    again, values written in place, an adapter deleted and loaded with others) is refused, naming the graft; build the
-    stack again. Entries held anew but unchanged (a packed adapter unpacked by a forward) are accepted.
+    It also keeps, for the global rules, the task vectors as each rule trims them before weighting (TIES's top
+    ``density`` and elected signs, DARE's drops, Consensus's masks: :func:`~peft_graft.merge_rules.trim`), for the
+    last :attr:`TRIMS_KEPT` settings of density, seed and masks: a grid over the weights at one density trims once.
+    Each kept trim takes two booleans per stacked value.
+
+    It records a checksum of each graft's entries per layer and of the base model's values at their union, and every
+    merge given the stack compares them again (a write through ``.data`` moves no version counter): a stack whose
+    grafts' entries or base values have changed since (a region set again, values written in place, an adapter deleted
+    and loaded with others) is refused, naming the graft or layer; build the stack again. Entries held anew but
+    unchanged (a packed adapter unpacked by a forward) are accepted. (The base is checked against each graft's
+    recorded theta_pre once, when the stack is built: one checksum of the union then stands for them.)
     """
+
+    TRIMS_KEPT = 8
 
     def __init__(self, model: PeftModel, grafts: Mapping[str, str] | Sequence[str], exclude: Region | None = None):
         tuner = _graft_tuner(model)
@@ -431,8 +452,13 @@ class TaskVectorStack:
         self.model, self.exclude = model, exclude
         self.digests = {(module, name): _digest(tuner, module, name) for module in tuner.graft_layers()
                         for name in self.names.values()}  # fmt: skip
+        unions = {module: _union(layer, list(self.names.values())) for module, layer in tuner.graft_layers().items()}
+        self.bases = {module: (indices, tuner.model.get_submodule(module).base_checksum(indices))
+                      for module, indices in unions.items() if indices.numel()}  # fmt: skip
         self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
         self._flat: torch.Tensor | None = None
+        self._taus: torch.Tensor | None = None
+        self._trims: OrderedDict[tuple, tuple] = OrderedDict()
 
     @property
     def modules(self) -> list[str]:
@@ -445,6 +471,31 @@ class TaskVectorStack:
             self._flat = torch.cat([self.layers[m][1] for m in self.layers], dim=1)
         return self._flat
 
+    @property
+    def present(self) -> torch.Tensor:
+        """Where each graft has an entry, ``(num_grafts, n)``."""
+        return ~torch.isnan(self.flat)
+
+    @property
+    def taus(self) -> torch.Tensor:
+        """The task vectors over the union of entries, ``(num_grafts, n)``, 0 where a graft has no entry."""
+        if self._taus is None:
+            self._taus = torch.nan_to_num(self.flat, nan=0.0)
+        return self._taus
+
+    def trimmed(self, rule: str, options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """:func:`~peft_graft.merge_rules.trim` of the task vectors for ``rule`` and its checked ``options``."""
+        consensus = (options["consensus_k"], options["tall_lambda"]) if rule in CONSENSUS_RULES else None
+        seed = options["seed"] if rule in DARE_RULES else None
+        method = options["majority_sign_method"] if rule in SIGN_RULES else None
+        key = (rule, options["density"], seed, method, consensus)
+        if key not in self._trims:
+            self._trims[key] = trim(self.taus, rule, *key[1:])
+            while len(self._trims) > self.TRIMS_KEPT:
+                self._trims.popitem(last=False)
+        self._trims.move_to_end(key)
+        return self._trims[key]
+
     def check(self, model: PeftModel, names: dict[str, str], exclude: Region | None) -> None:
         """Refuse this stack for a merge of other grafts, another model or exclude, or grafts changed since."""
         if model is not self.model:
@@ -455,12 +506,20 @@ class TaskVectorStack:
         if (exclude is None) != (self.exclude is None) or (exclude is not None and exclude != self.exclude):
             raise ValueError("The TaskVectorStack was built with another exclude: build it with this one.")
         tuner = _graft_tuner(model)
+        _check_grafts(tuner, names, base=False)
         for key, digest in self.digests.items():
             if _digest(tuner, *key) != digest:
                 task = next(t for t, n in names.items() if n == key[1])
                 raise ValueError(
                     f"Graft {key[1]!r} (task {task!r}) changed in {key[0]!r} since the TaskVectorStack was built: "
                     "its stacked task vector is stale. Build the stack again (TaskVectorStack(model, grafts))."
+                )
+        for module, (indices, checksum) in self.bases.items():
+            if tuner.model.get_submodule(module).base_checksum(indices) != checksum:
+                raise ValueError(
+                    f"The base model's values at the grafts' entries of {module!r} changed since the TaskVectorStack "
+                    "was built: build the stack again (TaskVectorStack(model, grafts)), which checks them against "
+                    "each graft's recorded theta_pre."
                 )
 
 
@@ -474,6 +533,15 @@ def _digest(tuner: GraftModel, module: str, name: str) -> str:
     parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
              "targets": targets.float()}  # fmt: skip
     return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, {})
+
+
+def _union(layer: GraftLayer, names: list[str]) -> torch.Tensor:
+    """The sorted union of the grafts' flat indices in ``layer``: a presence map, linear in the layer's size (a sort,
+    ``torch.unique``, and a binary search per graft took most of a merge's time on full fine-tunes)."""
+    present = torch.zeros(layer.num_stored, dtype=torch.bool)
+    for name in names:
+        present[layer.entries(name)[0].to(torch.int64).cpu()] = True
+    return present.nonzero().squeeze(1)
 
 
 def _graft_names(grafts: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
@@ -517,12 +585,7 @@ def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region |
     out = {}
     for module, layer in tuner.graft_layers().items():
         entries = [(idx.to(torch.int64).cpu(), val) for idx, val in (layer.entries(name) for name in names)]
-        # the union by a presence map and each graft's columns by a lookup: linear in the layer's size, where a sort
-        # (torch.unique) and a binary search per graft took most of a merge's time on full fine-tunes
-        present = torch.zeros(layer.num_stored, dtype=torch.bool)
-        for idx, _ in entries:
-            present[idx] = True
-        indices = present.nonzero().squeeze(1)
+        indices = _union(layer, names)  # and each graft's columns by a lookup below
         if exclude is not None and indices.numel():
             keep = torch.ones(indices.numel(), dtype=torch.bool)
             for attr, local, position in layer.space.split(indices):
@@ -557,30 +620,17 @@ def _merged_entries(tuner: GraftModel, stack: TaskVectorStack, rule: str, option
     if rule in TENSOR_RULES:
         return _tensor_merged_entries(tuner, stack, rule, options, grams)
     sizes = [stacked[m][0].numel() for m in modules]
-    flat = stack.flat  # the task vectors over the union of entries
-    present = ~torch.isnan(flat)
-    taus = list(torch.nan_to_num(flat, nan=0.0))
+    flat, present = stack.flat, stack.present  # the task vectors over the union of entries
     density, weights = options["density"], torch.tensor(options["weights"] or [])
     if rule == "stitch":
         values, keep = _combine(flat, "average"), present.any(0)
     elif rule == "stitch_dataless":
-        kept = torch.stack([_top_magnitude(tau, density) for tau in taus]) & present
+        kept = torch.stack([top_magnitude(tau, density) for tau in stack.taus]) & present
         values = _combine(torch.where(kept, flat, torch.nan), "average")
         keep = kept.any(0)
         values = torch.nan_to_num(values, nan=0.0)
     else:
-        if rule in CONSENSUS_RULES:
-            taus = _consensus(taus, options["consensus_k"], options["tall_lambda"])
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(options["seed"])
-            if rule in ("task_arithmetic", "consensus_ta"):
-                values = merge_utils.task_arithmetic(taus, weights)
-            elif rule in ("ties", "consensus_ties"):
-                values = merge_utils.ties(taus, weights, density, options["majority_sign_method"])
-            elif rule == "dare_ties":
-                values = merge_utils.dare_ties(taus, weights, density, options["majority_sign_method"])
-            else:
-                values = merge_utils.dare_linear(taus, weights, density)
+        values = combine(stack.taus, weights, stack.trimmed(rule, options), rule, density)
         keep = values != 0
     if options.get("scale", 1.0) != 1.0 or "lines" in options:
         factors = torch.full((len(modules),), float(options.get("scale", 1.0)))
@@ -717,16 +767,6 @@ def _consensus_options(rule: str, count: int, consensus_k: object, tall_lambda: 
     return {"consensus_k": consensus_k, "tall_lambda": float(tall_lambda)}
 
 
-def _consensus(taus: list[torch.Tensor], k: int, tall_lambda: float) -> list[torch.Tensor]:
-    """Consensus merging's masking (Wang et al., ICML 2024): task t's TALL mask holds the entries where
-    ``|tau_t| > tall_lambda * |tau_MTL - tau_t|`` (``tau_MTL = sum_t tau_t``); the entries held by fewer than ``k``
-    masks (used by one task only, or by none) are dropped from every task vector."""
-    total = torch.stack(taus).sum(0)
-    votes = sum((tau.abs() > tall_lambda * (total - tau).abs()).to(torch.int64) for tau in taus)
-    keep = votes >= k
-    return [torch.where(keep, tau, 0.0) for tau in taus]
-
-
 def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> None:
     """Refuse a merge whose merged parameters are not finite in the model's dtype (an fp16 model holds up to 65,504),
     or so large that the sum of their squares overflows float32 (a norm or dot product of them would: the merged
@@ -745,15 +785,6 @@ def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> 
                     f"{part.abs().max().item():.3g} (checked in {dtype}, which holds up to "
                     f"{torch.finfo(dtype).max:.3g}): the merged model's outputs would be inf or NaN; {fix}."
                 )
-
-
-def _top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:
-    """The entries peft's magnitude pruning keeps (its top ``int(density * n)`` of ``|tau|``), as a mask."""
-    mask = torch.zeros(tau.numel(), dtype=torch.bool)
-    if density >= 1:
-        return mask | True
-    mask[torch.topk(tau.abs(), k=int(density * tau.numel())).indices] = True
-    return mask
 
 
 def _add_merged_adapter(tuner: GraftModel, names: list[str], adapter_name: str, merged: dict, rule: str) -> None:

@@ -197,7 +197,7 @@ def test_saved_metadata_holds_no_machine_path_and_graft_and_base_move_together(p
 
 
 @pytest.mark.parametrize("recorded", ["relative", "absolute"])
-def test_auto_loading_a_graft_whose_base_folder_is_gone_names_it(pre, tmp_path, no_network, recorded):
+def test_auto_loading_a_graft_whose_base_folder_is_gone_names_it(pre, tmp_path, no_network, recorded, monkeypatch):
     """It was huggingface_hub's "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
     pre.save_pretrained(tmp_path / "base")
     model = graft_of(type(pre).from_pretrained(tmp_path / "base"))
@@ -206,7 +206,10 @@ def test_auto_loading_a_graft_whose_base_folder_is_gone_names_it(pre, tmp_path, 
         path = tmp_path / "g" / "adapter_config.json"
         path.write_text(path.read_text().replace('"../base"', json.dumps(str(tmp_path / "base"))))
     shutil.rmtree(tmp_path / "base")
-    shown = "../base" if recorded == "relative" else str(tmp_path / "base")
+    clone_model(pre).save_pretrained(tmp_path / "elsewhere" / "base")  # what "../base" means from elsewhere/cwd
+    (tmp_path / "elsewhere" / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere" / "cwd")
+    shown = str(tmp_path / "base")  # a relative record is named as the folder it means, never resolved from the cwd
     with pytest.raises(ValueError, match=rf"The graft '{tmp_path / 'g'}' records its base model as the local folder "
                                          rf"'{shown}' \(base_model_name_or_path.*which does not exist here, so "
                                          r"AutoPeftModelForSequenceClassification cannot load it.*"

@@ -9,12 +9,13 @@ import os
 import pytest
 import torch
 from peft import PeftModel
+from peft.utils import merge_utils
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_merging import TASKS, folders, loaded, pre, state, task_vectors  # noqa: F401  (fixtures)
 from testing_utils import clone_model, input_ids
 
-from peft_graft import Region
+from peft_graft import Region, merge_rules, merging
 from peft_graft.input_statistics import input_grams, linear_layers
 from peft_graft.merge_rules import block_index, layer_type, lines_scales, reduce_off_diagonal, wudi_closed_form
 from peft_graft.merging import HEADS_FILE, MergedGraft, TaskVectorStack, merge_grafts, task_vector_norms
@@ -169,6 +170,45 @@ def test_a_stack_built_once_gives_identical_merges(pre, folders, rule, options):
     assert torch.equal(fresh, stacked) and torch.equal(fresh, again)
 
 
+def test_a_grid_through_one_stack_equals_peft_at_every_setting(pre, folders, monkeypatch):  # noqa: F811
+    """The stack trims once per density (and seed, sign method, Consensus setting) and reuses it across weights; every
+    merge of a grid still equals peft's function on the whole task vectors, also after older trims were dropped."""
+    monkeypatch.setattr(TaskVectorStack, "TRIMS_KEPT", 2)
+    calls = []
+    monkeypatch.setattr(merging, "trim", lambda *args: calls.append(args[1:]) or merge_rules.trim(*args))
+    model = loaded(pre, folders, "full")
+    stack = TaskVectorStack(model, list(TASKS))
+    taus = task_vectors(model, list(TASKS))
+    masked = {}
+    for tall_lambda in (0.3, 0.6):
+        votes = sum((t.abs() > tall_lambda * (taus.sum(0) - t).abs()).long() for t in taus)
+        masked[tall_lambda] = [torch.where(votes >= 2, t, 0.0) for t in taus]
+    grid = [(rule, dict(weights=w, density=d, **extra)) for rule, extra in
+            [("ties", {}), ("ties", dict(majority_sign_method="frequency")), ("dare_ties", dict(seed=5)),
+             ("dare_linear", dict(seed=5)), ("consensus_ties", dict(tall_lambda=0.3)),
+             ("consensus_ties", dict(tall_lambda=0.6))]
+            for d in (0.2, 1.0) for w in (0.5, [1.5, 1.0, 0.25])]  # fmt: skip
+    grid += [("consensus_ta", dict(weights=w, tall_lambda=t)) for t in (0.3, 0.6) for w in (0.5, 1.5)]
+    for i, (rule, options) in enumerate(grid + grid[:4]):  # grid[:4] again: its trims were dropped since
+        merge_grafts(model, list(TASKS), rule, "m", stack=stack, **options)
+        result = task_vectors(model, ["m"])[0]
+        model.delete_adapter("m")
+        weights = torch.tensor(options["weights"] if isinstance(options["weights"], list) else [options["weights"]] * 3)
+        vectors = masked[options["tall_lambda"]] if "tall_lambda" in options else list(taus)
+        torch.manual_seed(options.get("seed", 0))
+        if rule == "consensus_ta":
+            expected = merge_utils.task_arithmetic(vectors, weights)
+        elif rule == "dare_linear":
+            expected = merge_utils.dare_linear(vectors, weights, options["density"])
+        else:
+            function = merge_utils.dare_ties if rule == "dare_ties" else merge_utils.ties
+            method = options.get("majority_sign_method", "total")
+            expected = function(vectors, weights, options["density"], method)
+        assert torch.equal(result, expected * (expected != 0)), (i, rule, options)
+    assert len(stack._trims) == 2
+    assert len(calls) == 14 + 2  # once per setting (14: not per weight), and the 2 dropped ones again
+
+
 def test_a_changed_graft_is_not_served_from_a_stale_stack(pre, folders):  # noqa: F811
     model = loaded(pre, folders, "sparse")
     stack = TaskVectorStack(model, list(TASKS))
@@ -214,6 +254,25 @@ def test_a_stack_sees_values_written_through_data(pre, folders):  # noqa: F811
     assert layer.graft_values["b"]._version == version
     with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
         merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+
+
+def test_a_stack_sees_the_base_model_changed_at_the_grafts_entries(pre, folders):  # noqa: F811
+    """The base is checked against each graft's theta_pre when the stack is built, and for changes on every merge."""
+    model = loaded(pre, folders, "sparse")
+    stack = TaskVectorStack(model, list(TASKS))
+    module, layer = next(iter(model.base_model.graft_layers().items()))
+    attr, local, _ = next(iter(layer.space.split(layer.entries("a")[0])))
+    base = getattr(layer.base_layer, attr)
+    original = base.data.view(-1)[local[0]].clone()
+    with torch.no_grad():
+        base.data.view(-1)[local[0]] += 1.0  # through .data: no version counter moves
+    with pytest.raises(ValueError, match=f"base model's values at the grafts' entries of '{module}' changed"):
+        merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+    with pytest.raises(ValueError, match="made from a different base model"):  # what a fresh stack or merge says
+        TaskVectorStack(model, list(TASKS))
+    with torch.no_grad():
+        base.data.view(-1)[local[0]] = original
+    merge_grafts(model, list(TASKS), "stitch", "restored", stack=stack)
 
 
 @pytest.mark.parametrize(

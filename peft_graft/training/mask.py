@@ -426,7 +426,7 @@ class MaskTrainer(LossTermsTrainer):
                 parts = [learner.base_region, learner._movement(), learner.search_indices]
                 for tensor in parts:
                     if tensor is not None:
-                        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
             self._fingerprint = digest.hexdigest()[:32]
         return self._fingerprint
 

@@ -451,7 +451,7 @@ class GraftLayer(nn.Module, BaseTunerLayer):
         digest = hashlib.sha256()
         for attr, local, _ in self.space.split(indices):
             values = read_entries(getattr(self.base_layer, attr), local)
-            digest.update(values.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(values.cpu().contiguous().view(torch.uint8).numpy())
         return digest.hexdigest()[:16]
 
     def sparse_entries(self, adapter_name: str, attr: str) -> tuple[torch.Tensor, torch.Tensor] | None:

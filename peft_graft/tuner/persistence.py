@@ -248,11 +248,11 @@ def relative_reference(name: object, folder: str | None) -> object:
 
 def resolved_reference(name: object, folder: str) -> object:
     """``name`` as a config read from ``folder`` records it: one saved relative to the folder
-    (:func:`relative_reference`) as the path it names there, when that folder exists; anything else as it is."""
+    (:func:`relative_reference`) as the absolute path it names there, whether or not that folder exists (never left
+    relative, where it would resolve against the working directory, perhaps to another model); anything else as it
+    is."""
     if isinstance(name, str) and _is_relative(name):
-        resolved = os.path.normpath(os.path.join(os.path.abspath(folder), name))
-        if os.path.isdir(resolved):
-            return resolved
+        return os.path.normpath(os.path.join(os.path.abspath(folder), name))
     return name
 
 
