@@ -181,6 +181,37 @@ def refuse_deepspeed(action: str, model: torch.nn.Module | None = None, running:
         raise deepspeed_refusal(action, engine)
 
 
+def zero_stage(model: torch.nn.Module | None = None) -> int | None:
+    """The ZeRO stage DeepSpeed runs: 3 when a parameter of ``model`` is partitioned, else the stage of the DeepSpeed
+    run accelerate holds (a Trainer's ``deepspeed`` argument or an accelerate config); ``None`` without DeepSpeed."""
+    engine = deepspeed_engine(model)
+    if engine is None or engine == "DeepSpeed ZeRO-3":
+        return None if engine is None else 3
+    from accelerate.state import AcceleratorState
+
+    return AcceleratorState().deepspeed_plugin.zero_stage
+
+
 def deepspeed_refusal(action: str, engine: str = "DeepSpeed", reason: str = DEEPSPEED_REFUSAL) -> ValueError:
     """The error refusing ``action`` under ``engine`` (DeepSpeed), with ``reason`` and the way out."""
     return ValueError(f"{action} cannot run under {engine}: {reason}")
+
+
+def full_numel(tensor: torch.Tensor) -> int:
+    """The number of entries of ``tensor`` whole: ``ds_numel`` for a ZeRO-3 partitioned parameter (whose data is a
+    placeholder), else ``numel()`` (a ``DTensor``'s counts the whole tensor)."""
+    return tensor.ds_numel if is_partitioned(tensor) else tensor.numel()
+
+
+def full_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of ``tensor`` whole: ``ds_shape`` for a ZeRO-3 partitioned parameter, else ``shape``."""
+    return tensor.ds_shape if is_partitioned(tensor) else tensor.shape
+
+
+def partition_span(param: torch.Tensor) -> tuple[int, int]:
+    """``(flat index of the first entry, number of entries)`` of this process's partition of a ZeRO-3 partitioned
+    ``param``: ZeRO-3 pads the flattened tensor to a multiple of the processes and hands process ``r`` the run of
+    ``param.ds_tensor.ds_numel`` entries from ``r`` times that (the last runs hold padding, or nothing real)."""
+    size = param.ds_tensor.ds_numel
+    start = size * dist.get_rank(group=param.ds_process_group)
+    return start, max(0, min(size, param.ds_numel - start))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import SimpleNamespace
@@ -220,16 +221,16 @@ def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
-@pytest.mark.multiprocess
-def test_fsdp2_keeps_disallowed_entries_on_every_shard_and_trains_as_one_process(tmp_path, monkeypatch):
-    """A Trainer run sharded by FSDP2 (DTensor parameters; the hooks see each process's reduced shard) under AdamW with
-    weight decay and clipping: entries outside the allowed region and inside the frozen one stay bit-identical, and
-    the gathered model is the one-process model to fp32 rounding, through the copying and the sparse path."""
+def check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, engine: str) -> None:
+    """ddp_restriction_script.py with ALLOWED=1 in 1 process, then under torchrun with ``engine`` set ("FSDP" or
+    "DEEPSPEED"): every process kept the disallowed entries bit for bit, and its gathered model is the one-process model
+    to fp32 rounding (rtol 1e-5, atol 1e-6)."""
     script = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
     monkeypatch.setenv("ALLOWED", "1")
     (tmp_path / "one").mkdir()
     run_command([sys.executable, script, str(tmp_path / "one")], tmp_path)
-    monkeypatch.setenv("FSDP", "1")
+    monkeypatch.setenv(engine, "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     (tmp_path / "two").mkdir()
     run_command([*TORCHRUN, script, str(tmp_path / "two")], tmp_path)
     single = (tmp_path / "one" / "rank0.txt").read_text().split()
@@ -238,10 +239,29 @@ def test_fsdp2_keeps_disallowed_entries_on_every_shard_and_trains_as_one_process
     for rank in (0, 1):
         world, kept, moved, sharded = (tmp_path / "two" / f"rank{rank}.txt").read_text().split()
         assert (world, kept, sharded) == ("world_size=2", "kept=True", "sharded=True")
-        assert int(moved.split("=")[1]) > 0
+        assert moved == single[2]
         params = load_file(tmp_path / "two" / f"params{rank}.safetensors")
         for name in expected:
             torch.testing.assert_close(params[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_keeps_disallowed_entries_on_every_shard_and_trains_as_one_process(tmp_path, monkeypatch):
+    """A Trainer run sharded by FSDP2 (DTensor parameters; the hooks see each process's reduced shard) under AdamW with
+    weight decay and clipping: entries outside the allowed region and inside the frozen one stay bit-identical, and
+    the gathered model is the one-process model to fp32 rounding, through the copying and the sparse path."""
+    check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "FSDP")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_zero3_keeps_disallowed_entries_on_every_partition_and_trains_as_one_process(tmp_path, monkeypatch):
+    """A Trainer run partitioned by DeepSpeed ZeRO-3 (TrainingArguments(deepspeed=...); 2 CPU processes, gloo) under
+    the Trainer's AdamW with weight decay and DeepSpeed's gradient clipping (which must see only allowed gradients:
+    the global norm, 2.06 on the first step, is clipped to 0.5): entries outside the allowed region, inside the frozen
+    one and of a tensor frozen whole stay bit-identical, and the gathered model is the one-process model to fp32
+    rounding."""
+    check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "DEEPSPEED")
 
 
 def test_gradient_clipping_sees_only_allowed_gradients():
