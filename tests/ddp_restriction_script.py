@@ -42,9 +42,9 @@ ZERO3 = {
     "gradient_clipping": "auto",
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
 }  # no optimizer: the Trainer's
-DEEPSPEED = os.environ.get("DEEPSPEED") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-if DEEPSPEED:
-    SHARDING = {"deepspeed": ZERO3}
+DEEPSPEED = os.environ.get("DEEPSPEED") in ("1", "accelerate") and int(os.environ.get("WORLD_SIZE", "1")) > 1
+if DEEPSPEED:  # "accelerate": from an accelerate config file (accelerate launch), not the Trainer's argument
+    SHARDING = {"deepspeed": ZERO3} if os.environ["DEEPSPEED"] == "1" else {}
 
 
 def whole(param: torch.Tensor) -> torch.Tensor:
