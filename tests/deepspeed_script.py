@@ -1,7 +1,7 @@
 """Run by tests/test_deepspeed.py under torchrun (2 CPU processes, gloo, DeepSpeed's CPU accelerator): a graft
 created or loaded on a model ZeRO-3 partitioned (loaded under ``zero.Init``) saves the graft one process saves from
-the whole model; every entry point peft_graft does not support under DeepSpeed refuses it at once with a
-``ValueError`` naming the way out, and changes nothing.
+the whole model; ContinualGrafter and RestrictTrainingCallback run under ZeRO-3; every entry point peft_graft does not
+support under DeepSpeed refuses it at once with a ``ValueError`` naming the way out, and changes nothing.
 
 Usage: torchrun --nproc_per_node 2 tests/deepspeed_script.py (in an empty folder). Writes rank<N>.txt: one line per
 entry point, ``<entry point> refused: <message>`` (or ``... ran``), and ``<check>: <result>`` lines.
@@ -85,7 +85,7 @@ def main() -> None:
     # A model loaded after TrainingArguments(deepspeed=<ZeRO-3>) is partitioned by zero.Init as it loads.
     partitioned = RobertaForSequenceClassification.from_pretrained("pre")
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in partitioned.parameters())
-    attempt(lines, "ContinualGrafter", lambda: ContinualGrafter(partitioned, heads=["classifier"]))
+    attempt(lines, "ContinualGrafter", lambda: ContinualGrafter(partitioned, heads=["classifier"]))  # gathers
     lines.append(f"untouched: {not any('graft_' in name for name, _ in partitioned.named_parameters())}")
     # Created and loaded (every process) on a partitioned model: saves what one process saves from the whole model.
     created = get_peft_model(partitioned, GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
@@ -149,6 +149,7 @@ def main() -> None:
     mask_config = GraftConfig(finetuned=finetuned, region="empty", learn_region=True, task_type=task_type)
     learning = get_peft_model(clone_model(pre), mask_config)
     attempt(lines, "MaskTrainer (ZeRO-2)", lambda: MaskTrainer(model=learning, args=mask_args, train_dataset=data))
+    attempt(lines, "ContinualGrafter (ZeRO-2)", lambda: ContinualGrafter(clone_model(pre), heads=["classifier"]))
     with open(f"rank{dist.get_rank()}.txt", "w") as handle:
         handle.write("\n".join(lines))
     dist.barrier()

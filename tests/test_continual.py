@@ -3,6 +3,7 @@ resumes, bad input is a clear error."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -298,14 +299,27 @@ def test_a_change_outside_every_region_is_caught_by_the_fingerprint(pre):
 
 
 @pytest.mark.multiprocess
-def test_two_tasks_under_fsdp2_learn_what_one_process_learns(tmp_path, monkeypatch):
-    """Both tasks trained by Trainers sharding the model with FSDP2 (2 processes): the saved learner holds the regions
-    and theta_pre of one process bit for bit and its trained values and heads to fp32 rounding; it resumes in one
-    process, whose task adapters predict as the one-process learner's. Copying the sharded model is refused."""
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "FSDP",
+        pytest.param(
+            "DEEPSPEED",
+            marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed"),
+        ),
+    ],
+)
+def test_two_tasks_under_fsdp2_or_zero3_learn_what_one_process_learns(tmp_path, monkeypatch, engine):
+    """Both tasks trained by Trainers sharding the model with FSDP2, or partitioning it with DeepSpeed ZeRO-3
+    (TrainingArguments(deepspeed=...); the second task's head is written into the partitioned model) on 2 processes:
+    the saved learner holds the regions and theta_pre of one process bit for bit and its trained values and heads to
+    fp32 rounding (rtol 1e-5, atol 1e-6); it resumes in one process, whose task adapters predict as the one-process
+    learner's. Copying the sharded or partitioned model is refused."""
     script = os.path.join(os.path.dirname(__file__), "continual_script.py")
     (tmp_path / "one").mkdir()
     run_command([sys.executable, script, str(tmp_path / "one")], tmp_path)
-    monkeypatch.setenv("FSDP", "1")
+    monkeypatch.setenv(engine, "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     (tmp_path / "two").mkdir()
     run_command([*TORCHRUN, script, str(tmp_path / "two")], tmp_path)
     assert (tmp_path / "one" / "rank0.txt").read_text() == "sharded=False tasks=first,second to_peft_model=built"

@@ -84,22 +84,8 @@ class _Zero3Step:
     """The restriction of DeepSpeed ZeRO-3's own optimizer step (see the module's docstring): ``restricted`` hold
     indices local to this process's partitions."""
 
-    def __init__(self, trainable: list[nn.Parameter], restricted: list[_Restricted]) -> None:
-        optimizers = {id(p._z3_optimizer): p._z3_optimizer for p in trainable if _has_zero3(p)}
-        if len(optimizers) != 1 or not all(_has_zero3(p) for p in trainable):
-            raise ValueError(
-                f"{ACTION} under DeepSpeed ZeRO-3 restricts the step of the DeepSpeed engine training the model, "
-                "which does not exist yet (or several do): create it once deepspeed.initialize (or the Trainer) has "
-                "built the engine, as RestrictTrainingCallback does when training begins."
-            )
-        self.optimizer = next(iter(optimizers.values()))
-        if self.optimizer.offload_optimizer:
-            raise deepspeed_refusal(
-                ACTION,
-                "DeepSpeed ZeRO-3 with offload_optimizer",
-                "the offloaded optimizer keeps its fp32 partitions and gradients apart from the ones restricted "
-                "here. Remove offload_optimizer from the DeepSpeed config, or use FSDP2 or DDP; see docs/fsdp.md.",
-            )
+    def __init__(self, optimizer, restricted: list[_Restricted]) -> None:
+        self.optimizer = optimizer
         self.restricted = restricted
         self.spans = [partition_span(e.param)[1] for e in restricted]  # real (not padding) entries held here
         original = self.optimizer.step
@@ -156,8 +142,26 @@ class _Zero3Step:
         self._hook.remove()
 
 
-def _has_zero3(param: nn.Parameter) -> bool:
-    return getattr(param, "_z3_optimizer", None) is not None
+def _zero3_optimizer(model: nn.Module):
+    """The ZeRO-3 optimizer of the DeepSpeed engine training ``model`` (a ``ValueError`` without one, or with an
+    offloaded optimizer)."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    optimizers = {id(p._z3_optimizer): p._z3_optimizer for p in trainable if getattr(p, "_z3_optimizer", None)}
+    if len(optimizers) != 1 or not all(getattr(p, "_z3_optimizer", None) for p in trainable):
+        raise ValueError(
+            f"{ACTION} under DeepSpeed ZeRO-3 restricts the step of the DeepSpeed engine training the model, which "
+            "does not exist yet (or several do): create it once deepspeed.initialize (or the Trainer) has built the "
+            "engine, as RestrictTrainingCallback does when training begins."
+        )
+    optimizer = next(iter(optimizers.values()))
+    if optimizer.offload_optimizer:
+        raise deepspeed_refusal(
+            ACTION,
+            "DeepSpeed ZeRO-3 with offload_optimizer",
+            "the offloaded optimizer keeps its fp32 partitions and gradients apart from the ones restricted here. "
+            "Remove offload_optimizer from the DeepSpeed config, or use FSDP2 or DDP; see docs/fsdp.md.",
+        )
+    return optimizer
 
 
 class TrainingRestriction:
@@ -178,6 +182,7 @@ class TrainingRestriction:
         stage = zero_stage(model)
         if stage is not None and stage != 3:
             raise deepspeed_refusal(ACTION, f"DeepSpeed ZeRO-{stage}", ZERO3_ONLY)
+        zero3_optimizer = _zero3_optimizer(model) if stage == 3 else None
         for name, region in (("allowed", allowed), ("frozen", frozen)):
             if region is not None and not isinstance(region, Mapping):
                 raise TypeError(f"{name} must be a Region (parameter name -> flat indices), got {type(region)}.")
@@ -232,8 +237,7 @@ class TrainingRestriction:
             self.restricted.append(entry)
             if not is_partitioned(param):  # ZeRO-3 masks the reduced partitions in its step instead
                 self._hooks.append(param.register_post_accumulate_grad_hook(_zeroing_hook(entry)))
-        trainable = [param for param in params.values() if param.requires_grad]
-        self._zero3 = _Zero3Step(trainable, self.restricted) if stage == 3 else None
+        self._zero3 = _Zero3Step(zero3_optimizer, self.restricted) if stage == 3 else None
 
     @staticmethod
     def _disallowed(param, names, allowed, frozen) -> torch.Tensor | None:
