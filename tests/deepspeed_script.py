@@ -34,6 +34,7 @@ from peft_graft import (
     MaskTrainingArguments,
     Region,
     RestrictTrainingCallback,
+    restrict_training,
 )
 from peft_graft.merging import merge_grafts
 
@@ -65,6 +66,29 @@ def same_save(first: str, second: str) -> bool:
     for config in configs:
         config.pop("base_model_name_or_path", None)
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and configs[0] == configs[1]
+
+
+def custom_loop_keeps(model: torch.nn.Module, region: Region, ids: torch.Tensor) -> bool:
+    """A custom loop under ZeRO-3 (``deepspeed.initialize``, ``engine.backward``, ``engine.step()``; AdamW with weight
+    decay, clipping, 2 steps of 2 micro-batches) restricted by ``restrict_training`` created after the engine: entries
+    outside ``region`` bit-identical, some inside it moved (parameters gathered whole)."""
+    before = {name: param.detach().clone().reshape(-1) for name, param in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
+    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    with restrict_training(engine.module, allowed=region):
+        for micro in range(4):
+            batch = ids[2 * micro : 2 * micro + 2]
+            engine.backward(engine(input_ids=batch, labels=batch[:, 0] % 2).loss)
+            engine.step()
+    kept, moved = True, 0
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            changed = (param.detach().reshape(-1) != before[name]).nonzero().reshape(-1)
+        kept = kept and bool(torch.isin(changed, region.get(name, torch.tensor([], dtype=torch.long))).all())
+        moved += changed.numel()
+    return kept and moved > 0
 
 
 def main() -> None:
@@ -138,6 +162,7 @@ def main() -> None:
         callbacks=[RestrictTrainingCallback(allowed=region)],
     )
     attempt(lines, "RestrictTrainingCallback", restricted.train)
+    lines.append(f"custom loop restricted: {custom_loop_keeps(clone_model(pre), region, ids)}")
     AcceleratorState._reset_state()
     zero2 = {**ZERO3, "zero_optimization": {"stage": 2}}  # nothing partitioned: refused as DeepSpeed runs
     args = TrainingArguments(output_dir="out2", per_device_train_batch_size=4, deepspeed=zero2, **COMMON)

@@ -42,6 +42,7 @@ ENTRY_POINTS = {
 CHECKS = ["untouched: True", "base still partitioned: True", "created saves bit-exact: True"]
 # run under ZeRO-3 (trained as one process in test_restriction.py and test_continual.py)
 CHECKS += ["loaded saves bit-exact: True", "ContinualGrafter ran", "RestrictTrainingCallback ran"]
+CHECKS.append("custom loop restricted: True")  # deepspeed.initialize, engine.step() under restrict_training
 
 
 @pytest.mark.multiprocess
