@@ -4,7 +4,8 @@ whole under FSDP2) and the frozen entries' check.
 
 ``FSDP=1``: under torchrun, the Trainer shards the model with FSDP2 (``fsdp_config``, one unit per BertLayer).
 ``DEEPSPEED=1``: under torchrun, the Trainer partitions the model with DeepSpeed ZeRO-3 (its ``deepspeed`` argument,
-the Trainer's optimizer, DeepSpeed's gradient clipping; every tensor partitioned).
+the Trainer's optimizer, DeepSpeed's gradient clipping; every tensor partitioned); with ``BF16=1`` too, in bf16 mixed
+precision.
 ``ALLOWED=1``: also restrict training to a sparse allowed region (whole for the LayerNorms and the classifier), so that
 both the copying path and the sparse path (weight decay by hand) run, and one tensor frozen whole.
 """
@@ -45,6 +46,8 @@ ZERO3 = {
 DEEPSPEED = os.environ.get("DEEPSPEED") in ("1", "accelerate") and int(os.environ.get("WORLD_SIZE", "1")) > 1
 if DEEPSPEED:  # "accelerate": from an accelerate config file (accelerate launch), not the Trainer's argument
     SHARDING = {"deepspeed": ZERO3} if os.environ["DEEPSPEED"] == "1" else {}
+    if os.environ.get("BF16") == "1":  # DeepSpeed's bf16 mixed precision: bf16 partitions, fp32 copies stepped
+        SHARDING = {"deepspeed": {**ZERO3, "bf16": {"enabled": "auto"}}, "bf16": True}
 
 
 def whole(param: torch.Tensor) -> torch.Tensor:
@@ -78,7 +81,8 @@ def main(output_dir: str) -> None:
                 allowed = Region({**allowed, name: torch.arange(param.numel())})
         allowed = Region({n: i for n, i in allowed.items() if n != "bert.pooler.dense.bias"})  # frozen whole
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # a global batch of 8 examples per step on 1 or 2 processes
-    before = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters()}
+    dtype = torch.bfloat16 if SHARDING.get("bf16") else torch.float32  # DeepSpeed casts the model to bf16
+    before = {n: p.detach().reshape(-1).to(dtype, copy=True) for n, p in model.named_parameters()}
     args = fast_args(
         Path(output_dir),
         max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=4 // world_size, learning_rate=0.05,

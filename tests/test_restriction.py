@@ -274,6 +274,21 @@ def test_zero3_keeps_disallowed_entries_on_every_partition_and_trains_as_one_pro
         check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "DEEPSPEED", "accelerate", ACCELERATE_ZERO3)
 
 
+@pytest.mark.multiprocess
+@needs_deepspeed
+def test_zero3_in_bf16_keeps_disallowed_entries_bit_identical(tmp_path, monkeypatch):
+    """DeepSpeed's bf16 mixed precision under ZeRO-3 (bf16 partitions, fp32 copies stepped and written back): the
+    disallowed entries keep their bf16 bits, and training moves others."""
+    for name, value in {"ALLOWED": "1", "DEEPSPEED": "1", "BF16": "1", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    run_command([*TORCHRUN, SCRIPT, str(tmp_path)], tmp_path)
+    for rank in (0, 1):
+        world, kept, moved, sharded = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert (world, kept, sharded) == ("world_size=2", "kept=True", "sharded=True")
+        assert int(moved.split("=")[1]) > 0
+    assert load_file(tmp_path / "params0.safetensors")["classifier.weight"].dtype == torch.bfloat16
+
+
 def test_gradient_clipping_sees_only_allowed_gradients():
     pre, _, _ = make_pair("gpt2")
     model = clone_model(pre)
