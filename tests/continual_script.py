@@ -50,6 +50,23 @@ def body_region(model, fraction: float, seed: int) -> Region:
     return Region({n: idx for n, idx in region.items() if not n.startswith("classifier")})
 
 
+def resumes_partitioned(learner: ContinualGrafter, folder: str) -> bool:
+    """Whether the saved learner, resumed on theta_pre partitioned by ZeRO-3 (every process writing its partitions),
+    holds the trained model bit for bit (parameters gathered whole)."""
+    import deepspeed
+
+    torch.distributed.barrier()  # rank 0 saved the learner
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": ZERO3["zero_optimization"]}
+    pretrained = clone_model(make_pair("bert_cls")[0])
+    deepspeed.zero.Init(module=pretrained, config_dict_or_path=config)
+    resumed = ContinualGrafter.from_pretrained(folder, pretrained)
+    trained, same = dict(learner.model.named_parameters()), True
+    for name, param in resumed.model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param, trained[name]]):
+            same = same and torch.equal(param, trained[name])
+    return same and resumed.task_names == learner.task_names
+
+
 def main(output_dir: str) -> None:
     torch.set_num_threads(1)
     if FSDP:
@@ -83,8 +100,11 @@ def main(output_dir: str) -> None:
         whole = "refused" if refused else str(error)
     if rank == 0:
         learner.save_pretrained(os.path.join(output_dir, "learner"))
+    report = f"sharded={sharded} tasks={','.join(learner.task_names)} to_peft_model={whole}"
+    if DEEPSPEED:
+        report += f" resumed_partitioned={resumes_partitioned(learner, os.path.join(output_dir, 'learner'))}"
     with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as handle:
-        handle.write(f"sharded={sharded} tasks={','.join(learner.task_names)} to_peft_model={whole}")
+        handle.write(report)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
