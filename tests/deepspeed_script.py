@@ -71,13 +71,20 @@ def same_save(first: str, second: str) -> bool:
 def custom_loop_keeps(model: torch.nn.Module, region: Region, ids: torch.Tensor) -> bool:
     """A custom loop under ZeRO-3 (``deepspeed.initialize``, ``engine.backward``, ``engine.step()``; AdamW with weight
     decay, clipping, 2 steps of 2 micro-batches) restricted by ``restrict_training`` created after the engine: entries
-    outside ``region`` bit-identical, some inside it moved (parameters gathered whole)."""
+    outside ``region`` bit-identical, some inside it moved (parameters gathered whole); a second restriction of the
+    engine at the same time is refused."""
     before = {name: param.detach().clone().reshape(-1) for name, param in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
     config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     with restrict_training(engine.module, allowed=region):
+        try:
+            restrict_training(engine.module, frozen=region)
+            return False
+        except ValueError as error:
+            if "another restriction already restricts this DeepSpeed engine's step" not in str(error):
+                raise
         for micro in range(4):
             batch = ids[2 * micro : 2 * micro + 2]
             engine.backward(engine(input_ids=batch, labels=batch[:, 0] % 2).loss)

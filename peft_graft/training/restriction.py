@@ -85,6 +85,7 @@ class _Zero3Step:
     indices local to this process's partitions."""
 
     def __init__(self, optimizer, restricted: list[_Restricted]) -> None:
+        optimizer._graft_restricted = True
         self.optimizer = optimizer
         self.restricted = restricted
         self.spans = [partition_span(e.param)[1] for e in restricted]  # real (not padding) entries held here
@@ -137,9 +138,9 @@ class _Zero3Step:
                 safe_set_local_fp32_param(entry.param, master)
 
     def remove(self) -> None:
-        if self.optimizer.__dict__.get("step") is self._step:
-            del self.optimizer.step
+        del self.optimizer.step  # the class's step again
         self._hook.remove()
+        self.optimizer._graft_restricted = False
 
 
 def _zero3_optimizer(model: nn.Module):
@@ -154,6 +155,11 @@ def _zero3_optimizer(model: nn.Module):
             "engine, as RestrictTrainingCallback does when training begins."
         )
     optimizer = next(iter(optimizers.values()))
+    if getattr(optimizer, "_graft_restricted", False):
+        raise ValueError(
+            f"{ACTION}: another restriction already restricts this DeepSpeed engine's step; remove() it first (or "
+            "pass the union of the regions to one restriction)."
+        )
     if optimizer.offload_optimizer:
         raise deepspeed_refusal(
             ACTION,
