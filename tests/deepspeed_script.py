@@ -98,6 +98,19 @@ def custom_loop_keeps(model: torch.nn.Module, region: Region, ids: torch.Tensor)
     return kept and moved > 0
 
 
+def offloaded_refusal(model: torch.nn.Module, region: Region) -> str:
+    """The refusal of ``restrict_training`` on a ZeRO-3 engine with ``offload_optimizer`` (fp32 copies kept apart)."""
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False}
+    config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    try:
+        restrict_training(engine.module, allowed=region)
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     pre, finetuned, task_type = make_pair("roberta_cls")
@@ -170,6 +183,7 @@ def main() -> None:
     )
     attempt(lines, "RestrictTrainingCallback", restricted.train)
     lines.append(f"custom loop restricted: {custom_loop_keeps(clone_model(pre), region, ids)}")
+    lines.append(f"RestrictTrainingCallback (offload_optimizer) refused: {offloaded_refusal(clone_model(pre), region)}")
     AcceleratorState._reset_state()
     zero2 = {**ZERO3, "zero_optimization": {"stage": 2}}  # nothing partitioned: refused as DeepSpeed runs
     args = TrainingArguments(output_dir="out2", per_device_train_batch_size=4, deepspeed=zero2, **COMMON)

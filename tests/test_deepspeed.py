@@ -33,6 +33,8 @@ ENTRY_POINTS = {
     "tensor",
     "Trainer on a graft": "A graft model's forward outside MaskTrainer cannot run under DeepSpeed ZeRO-3: under ZeRO-3 "
     "peft_graft runs a graft model's forward only while MaskTrainer learns a region",
+    "RestrictTrainingCallback (offload_optimizer)": "Restricted training (TrainingRestriction, "
+    "RestrictTrainingCallback) cannot run under DeepSpeed ZeRO-3 with offload_optimizer",
     "RestrictTrainingCallback (ZeRO-2)": "Restricted training (TrainingRestriction, RestrictTrainingCallback) cannot "
     "run under DeepSpeed ZeRO-2: peft_graft restricts training under DeepSpeed only at ZeRO-3",
     "MaskTrainer (ZeRO-2)": f"{MASK_TRAINER} cannot run under DeepSpeed ZeRO-2",
