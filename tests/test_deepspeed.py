@@ -1,12 +1,13 @@
 """DeepSpeed under 2 CPU processes (gloo, DeepSpeed's CPU accelerator), through the usual entry points (a Trainer's
 ``deepspeed`` argument, a model loaded under ZeRO-3's ``zero.Init``): a graft created or loaded on a partitioned model
 saves bit for bit what one process saves from the whole model, and leaves the model partitioned; a ContinualGrafter is
-created on a partitioned model and restricted training runs under ZeRO-3; merging a partitioned graft, MaskTrainer with
-what it does not support under ZeRO-3 (l1_penalty, resuming, load_best_model_at_end, tied weights) or under ZeRO-2, a
-Trainer running a graft model outside MaskTrainer, and restricted training and ContinualGrafter under ZeRO-2 are
-refused at once with a ValueError naming the way out (FSDP2 or DDP), and leave the model untouched. The runs are
-tests/deepspeed_script.py; MaskTrainer under ZeRO-3 is tests/test_mask_trainer_zero3.py, restricted training and
-continual learning under ZeRO-3 tests/test_restriction.py and tests/test_continual.py."""
+created on a partitioned model, and restricted training runs under ZeRO-3 (a Trainer, and a custom loop stepping the
+engine); merging a partitioned graft, MaskTrainer with what it does not support under ZeRO-3 (l1_penalty, resuming,
+load_best_model_at_end, tied weights) or under ZeRO-2, a Trainer running a graft model outside MaskTrainer, restricted
+training under ZeRO-2 or with offload_optimizer, and ContinualGrafter under ZeRO-2 are refused at once with a
+ValueError naming the way out (FSDP2 or DDP), and leave the model untouched. The runs are tests/deepspeed_script.py;
+MaskTrainer under ZeRO-3 is tests/test_mask_trainer_zero3.py, restricted training and continual learning under ZeRO-3
+tests/test_restriction.py and tests/test_continual.py."""
 
 from __future__ import annotations
 
