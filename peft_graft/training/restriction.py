@@ -181,7 +181,9 @@ class TrainingRestriction:
             Where ``allowed`` and ``frozen`` overlap, ``frozen`` wins: those entries never change.
 
     Use :meth:`step` around ``optimizer.step()`` in a custom loop, or :class:`RestrictTrainingCallback` with a
-    ``Trainer``; :meth:`remove` (or leaving the ``with`` block) detaches the gradient hooks.
+    ``Trainer``; :meth:`remove` (or leaving the ``with`` block) detaches the gradient hooks. Under DeepSpeed ZeRO-3,
+    create it after ``deepspeed.initialize`` and step the engine as usual (``engine.step()``): the restriction acts
+    inside DeepSpeed's step, and :meth:`remove` gives DeepSpeed its own step back.
     """
 
     def __init__(self, model: nn.Module, allowed: Region | None = None, frozen: Region | None = None) -> None:
