@@ -84,8 +84,11 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def write_entries(param: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``values`` at flat ``indices`` of ``param`` (cast to its dtype), into this process's shard under FSDP2:
-    every process is given all of them and writes those it holds."""
+    """Write ``values`` at flat ``indices`` of ``param`` (cast to its dtype), into this process's shard under FSDP2 or
+    partition under ZeRO-3: every process is given all of them and writes those it holds (no collective)."""
+    if is_partitioned(param):
+        _write_partition(param, indices, values)
+        return
     flat, start = local_flat(param)
     indices = indices.to(flat.device, torch.int64)
     values = values.to(flat.device, flat.dtype)
@@ -94,6 +97,21 @@ def write_entries(param: torch.Tensor, indices: torch.Tensor, values: torch.Tens
         indices, values = indices[held] - start, values[held]
     with torch.no_grad():
         flat[indices] = values
+
+
+def _write_partition(param: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """:func:`write_entries` for a ZeRO-3 partitioned ``param``: into this process's partition (``ds_tensor``), which
+    gathers and the next DeepSpeed engine (a Trainer's next run) start from, and into the whole data of a parameter
+    gathered now (ZeRO-3 keeps small ones gathered between steps). An engine already built keeps its own fp32 copy of
+    the partition: write between training runs."""
+    start, count = partition_span(param)
+    indices, values = indices.to(torch.int64).cpu(), values.cpu()
+    held = (indices >= start) & (indices < start + count)
+    part = param.ds_tensor.view(-1)
+    with torch.no_grad():
+        part[(indices[held] - start).to(part.device)] = values[held].to(part.device, part.dtype)
+        if is_gathered(param):
+            param.data.view(-1)[indices.to(param.device)] = values.to(param.device, param.dtype)
 
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
@@ -148,13 +166,13 @@ def refuse_sharded(tensors, action: str, way_out: str) -> None:
 
 
 DEEPSPEED_REFUSAL = (
-    "peft_graft supports DeepSpeed only for learning a region with MaskTrainer under ZeRO-3 "
-    "(TrainingArguments(deepspeed=<ZeRO-3 config>)) and for creating, loading and saving a graft on a model ZeRO-3 "
-    "partitioned (loaded under zero.Init). ZeRO-3 partitions every parameter and gathers a module's parameters only "
-    "around that module's forward, while merging, restriction and continual learning read and write them by flat "
-    "index; ZeRO-1/2 step flat fp32 copies of the parameters, which a restriction's write-backs and a hardened region "
-    "would not reach. Use FSDP2 (fully_shard: Trainer fsdp=True with fsdp_config={'version': 2}, or an accelerate "
-    "config with fsdp_version: 2), which shards the frozen model, or DDP; see docs/fsdp.md."
+    "peft_graft supports DeepSpeed only at ZeRO-3 (TrainingArguments(deepspeed=<ZeRO-3 config>) or an accelerate "
+    "config), for learning a region with MaskTrainer, restricted training (RestrictTrainingCallback), continual "
+    "learning (ContinualGrafter) and creating, loading and saving a graft on a model ZeRO-3 partitioned (loaded under "
+    "zero.Init). ZeRO-3 partitions every parameter and gathers a module's parameters only around that module's "
+    "forward, while merging reads and writes them whole; ZeRO-1/2 step flat fp32 copies of the parameters, which a "
+    "hardened region would not reach. Use FSDP2 (fully_shard: Trainer fsdp=True with fsdp_config={'version': 2}, or "
+    "an accelerate config with fsdp_version: 2), which shards the frozen model, or DDP; see docs/fsdp.md."
 )
 
 
@@ -181,6 +199,37 @@ def refuse_deepspeed(action: str, model: torch.nn.Module | None = None, running:
         raise deepspeed_refusal(action, engine)
 
 
+def zero_stage(model: torch.nn.Module | None = None) -> int | None:
+    """The ZeRO stage DeepSpeed runs: 3 when a parameter of ``model`` is partitioned, else the stage of the DeepSpeed
+    run accelerate holds (a Trainer's ``deepspeed`` argument or an accelerate config); ``None`` without DeepSpeed."""
+    engine = deepspeed_engine(model)
+    if engine is None or engine == "DeepSpeed ZeRO-3":
+        return None if engine is None else 3
+    from accelerate.state import AcceleratorState
+
+    return AcceleratorState().deepspeed_plugin.zero_stage
+
+
 def deepspeed_refusal(action: str, engine: str = "DeepSpeed", reason: str = DEEPSPEED_REFUSAL) -> ValueError:
     """The error refusing ``action`` under ``engine`` (DeepSpeed), with ``reason`` and the way out."""
     return ValueError(f"{action} cannot run under {engine}: {reason}")
+
+
+def full_numel(tensor: torch.Tensor) -> int:
+    """The number of entries of ``tensor`` whole: ``ds_numel`` for a ZeRO-3 partitioned parameter (whose data is a
+    placeholder), else ``numel()`` (a ``DTensor``'s counts the whole tensor)."""
+    return tensor.ds_numel if is_partitioned(tensor) else tensor.numel()
+
+
+def full_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of ``tensor`` whole: ``ds_shape`` for a ZeRO-3 partitioned parameter, else ``shape``."""
+    return tensor.ds_shape if is_partitioned(tensor) else tensor.shape
+
+
+def partition_span(param: torch.Tensor) -> tuple[int, int]:
+    """``(flat index of the first entry, number of entries)`` of this process's partition of a ZeRO-3 partitioned
+    ``param``: ZeRO-3 pads the flattened tensor to a multiple of the processes and hands process ``r`` the run of
+    ``param.ds_tensor.ds_numel`` entries from ``r`` times that (the last runs hold padding, or nothing real)."""
+    size = param.ds_tensor.ds_numel
+    start = size * dist.get_rank(group=param.ds_process_group)
+    return start, max(0, min(size, param.ds_numel - start))

@@ -9,6 +9,7 @@ training (refused under DDP). ``FSDP=1``: under torchrun, shard the model with F
 checkpoint interval (default 2); ``RESUME``: a checkpoint to resume from. ``DEEPSPEED=1``: under torchrun, partition
 the model with DeepSpeed ZeRO-3 through the Trainer's ``deepspeed`` argument (every tensor partitioned, S included);
 with ``ZERO_INIT=1`` too, the graft is created on the pre-trained model loaded partitioned (``zero.Init``).
+``DEEPSPEED=accelerate``: under ``accelerate launch`` with a DeepSpeed ZeRO-3 config file (no ``deepspeed`` argument).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ ZERO3 = {
     "gradient_clipping": "auto",
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
 }  # no optimizer: the Trainer's (MaskTrainingArguments' SGD)
-DEEPSPEED = os.environ.get("DEEPSPEED") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+DEEPSPEED = os.environ.get("DEEPSPEED") in ("1", "accelerate") and int(os.environ.get("WORLD_SIZE", "1")) > 1
 ZERO_INIT = DEEPSPEED and os.environ.get("ZERO_INIT") == "1"  # the graft created on a model loaded partitioned
 
 
@@ -89,7 +90,7 @@ def main(output_dir: str, search_fraction: float | None) -> None:
         seed=0,
         **SELECTION,
         **SHARDING,
-        **({"deepspeed": ZERO3} if DEEPSPEED else {}),
+        **({"deepspeed": ZERO3} if DEEPSPEED and os.environ["DEEPSPEED"] == "1" else {}),
     )
     if ZERO_INIT:  # loaded after TrainingArguments(deepspeed=<ZeRO-3>): partitioned by zero.Init as it loads
         if int(os.environ["RANK"]) == 0:

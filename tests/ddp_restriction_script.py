@@ -3,8 +3,11 @@ weight decay and clipping, restricted to stay out of a region; each process writ
 whole under FSDP2) and the frozen entries' check.
 
 ``FSDP=1``: under torchrun, the Trainer shards the model with FSDP2 (``fsdp_config``, one unit per BertLayer).
+``DEEPSPEED=1``: under torchrun, the Trainer partitions the model with DeepSpeed ZeRO-3 (its ``deepspeed`` argument,
+the Trainer's optimizer, DeepSpeed's gradient clipping; every tensor partitioned); with ``BF16=1`` too, in bf16 mixed
+precision.
 ``ALLOWED=1``: also restrict training to a sparse allowed region (whole for the LayerNorms and the classifier), so that
-both the copying path and the sparse path (weight decay by hand) run.
+both the copying path and the sparse path (weight decay by hand) run, and one tensor frozen whole.
 """
 
 import os
@@ -33,13 +36,36 @@ SHARDING = (
 )
 
 
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
+}  # no optimizer: the Trainer's
+DEEPSPEED = os.environ.get("DEEPSPEED") in ("1", "accelerate") and int(os.environ.get("WORLD_SIZE", "1")) > 1
+if DEEPSPEED:  # "accelerate": from an accelerate config file (accelerate launch), not the Trainer's argument
+    SHARDING = {"deepspeed": ZERO3} if os.environ["DEEPSPEED"] == "1" else {}
+    if os.environ.get("BF16") == "1":  # DeepSpeed's bf16 mixed precision: bf16 partitions, fp32 copies stepped
+        SHARDING = {"deepspeed": {**ZERO3, "bf16": {"enabled": "auto"}}, "bf16": True}
+
+
 def whole(param: torch.Tensor) -> torch.Tensor:
+    if hasattr(param, "ds_id"):  # partitioned by ZeRO-3: gathered
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            return param.detach().clone().reshape(-1)
     return (param.full_tensor() if type(param).__name__ == "DTensor" else param).detach().clone().reshape(-1)
 
 
 def main(output_dir: str) -> None:
     torch.set_num_threads(1)
-    if SHARDING:
+    if DEEPSPEED:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # on CPU (gloo), before the Trainer's DeepSpeed engine
+    elif SHARDING:
         allow_fsdp_on_cpu()
     pre, _, _ = make_pair("bert_cls")
     model = clone_model(pre)
@@ -53,8 +79,10 @@ def main(output_dir: str) -> None:
         for name, param in model.named_parameters():
             if "LayerNorm" in name or "classifier" in name:
                 allowed = Region({**allowed, name: torch.arange(param.numel())})
+        allowed = Region({n: i for n, i in allowed.items() if n != "bert.pooler.dense.bias"})  # frozen whole
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # a global batch of 8 examples per step on 1 or 2 processes
-    before = {n: p.detach().clone().reshape(-1) for n, p in model.named_parameters()}
+    dtype = torch.bfloat16 if SHARDING.get("bf16") else torch.float32  # DeepSpeed casts the model to bf16
+    before = {n: p.detach().reshape(-1).to(dtype, copy=True) for n, p in model.named_parameters()}
     args = fast_args(
         Path(output_dir),
         max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=4 // world_size, learning_rate=0.05,
@@ -62,12 +90,12 @@ def main(output_dir: str) -> None:
     )  # fmt: skip
     callback = RestrictTrainingCallback(allowed=allowed, frozen=frozen)
     Trainer(model=model, args=args, train_dataset=cls_dataset(n=24), callbacks=[callback]).train()
-    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    sharded = any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in model.parameters())
     after = {n: whole(p) for n, p in model.named_parameters()}
     kept = all(torch.equal(before[n][frozen[n]], after[n][frozen[n]]) for n in before)
     if allowed is not None:
         outside = {n: torch.ones(before[n].numel(), dtype=torch.bool) for n in before}
-        for n in before:
+        for n in allowed:
             outside[n][allowed[n]] = False
         kept = kept and all(torch.equal(before[n][outside[n]], after[n][outside[n]]) for n in before)
     moved = sum(int((before[n] != after[n]).sum()) for n in before)

@@ -1,7 +1,7 @@
 """Run by tests/test_deepspeed.py under torchrun (2 CPU processes, gloo, DeepSpeed's CPU accelerator): a graft
 created or loaded on a model ZeRO-3 partitioned (loaded under ``zero.Init``) saves the graft one process saves from
-the whole model; every entry point peft_graft does not support under DeepSpeed refuses it at once with a
-``ValueError`` naming the way out, and changes nothing.
+the whole model; ContinualGrafter and RestrictTrainingCallback run under ZeRO-3; every entry point peft_graft does not
+support under DeepSpeed refuses it at once with a ``ValueError`` naming the way out, and changes nothing.
 
 Usage: torchrun --nproc_per_node 2 tests/deepspeed_script.py (in an empty folder). Writes rank<N>.txt: one line per
 entry point, ``<entry point> refused: <message>`` (or ``... ran``), and ``<check>: <result>`` lines.
@@ -34,6 +34,7 @@ from peft_graft import (
     MaskTrainingArguments,
     Region,
     RestrictTrainingCallback,
+    restrict_training,
 )
 from peft_graft.merging import merge_grafts
 
@@ -67,6 +68,49 @@ def same_save(first: str, second: str) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and configs[0] == configs[1]
 
 
+def custom_loop_keeps(model: torch.nn.Module, region: Region, ids: torch.Tensor) -> bool:
+    """A custom loop under ZeRO-3 (``deepspeed.initialize``, ``engine.backward``, ``engine.step()``; AdamW with weight
+    decay, clipping, 2 steps of 2 micro-batches) restricted by ``restrict_training`` created after the engine: entries
+    outside ``region`` bit-identical, some inside it moved (parameters gathered whole); a second restriction of the
+    engine at the same time is refused."""
+    before = {name: param.detach().clone().reshape(-1) for name, param in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
+    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    with restrict_training(engine.module, allowed=region):
+        try:
+            restrict_training(engine.module, frozen=region)
+            return False
+        except ValueError as error:
+            if "another restriction already restricts this DeepSpeed engine's step" not in str(error):
+                raise
+        for micro in range(4):
+            batch = ids[2 * micro : 2 * micro + 2]
+            engine.backward(engine(input_ids=batch, labels=batch[:, 0] % 2).loss)
+            engine.step()
+    kept, moved = True, 0
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            changed = (param.detach().reshape(-1) != before[name]).nonzero().reshape(-1)
+        kept = kept and bool(torch.isin(changed, region.get(name, torch.tensor([], dtype=torch.long))).all())
+        moved += changed.numel()
+    return kept and moved > 0
+
+
+def offloaded_refusal(model: torch.nn.Module, region: Region) -> str:
+    """The refusal of ``restrict_training`` on a ZeRO-3 engine with ``offload_optimizer`` (fp32 copies kept apart)."""
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_force_ds_cpu_optimizer": False}
+    config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    try:
+        restrict_training(engine.module, allowed=region)
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     pre, finetuned, task_type = make_pair("roberta_cls")
@@ -85,7 +129,7 @@ def main() -> None:
     # A model loaded after TrainingArguments(deepspeed=<ZeRO-3>) is partitioned by zero.Init as it loads.
     partitioned = RobertaForSequenceClassification.from_pretrained("pre")
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in partitioned.parameters())
-    attempt(lines, "ContinualGrafter", lambda: ContinualGrafter(partitioned, heads=["classifier"]))
+    attempt(lines, "ContinualGrafter", lambda: ContinualGrafter(partitioned, heads=["classifier"]))  # gathers
     lines.append(f"untouched: {not any('graft_' in name for name, _ in partitioned.named_parameters())}")
     # Created and loaded (every process) on a partitioned model: saves what one process saves from the whole model.
     created = get_peft_model(partitioned, GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))
@@ -138,6 +182,8 @@ def main() -> None:
         callbacks=[RestrictTrainingCallback(allowed=region)],
     )
     attempt(lines, "RestrictTrainingCallback", restricted.train)
+    lines.append(f"custom loop restricted: {custom_loop_keeps(clone_model(pre), region, ids)}")
+    lines.append(f"RestrictTrainingCallback (offload_optimizer) refused: {offloaded_refusal(clone_model(pre), region)}")
     AcceleratorState._reset_state()
     zero2 = {**ZERO3, "zero_optimization": {"stage": 2}}  # nothing partitioned: refused as DeepSpeed runs
     args = TrainingArguments(output_dir="out2", per_device_train_batch_size=4, deepspeed=zero2, **COMMON)
@@ -149,6 +195,7 @@ def main() -> None:
     mask_config = GraftConfig(finetuned=finetuned, region="empty", learn_region=True, task_type=task_type)
     learning = get_peft_model(clone_model(pre), mask_config)
     attempt(lines, "MaskTrainer (ZeRO-2)", lambda: MaskTrainer(model=learning, args=mask_args, train_dataset=data))
+    attempt(lines, "ContinualGrafter (ZeRO-2)", lambda: ContinualGrafter(clone_model(pre), heads=["classifier"]))
     with open(f"rank{dist.get_rank()}.txt", "w") as handle:
         handle.write("\n".join(lines))
     dist.barrier()

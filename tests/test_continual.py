@@ -3,6 +3,7 @@ resumes, bad input is a clear error."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -298,20 +299,35 @@ def test_a_change_outside_every_region_is_caught_by_the_fingerprint(pre):
 
 
 @pytest.mark.multiprocess
-def test_two_tasks_under_fsdp2_learn_what_one_process_learns(tmp_path, monkeypatch):
-    """Both tasks trained by Trainers sharding the model with FSDP2 (2 processes): the saved learner holds the regions
-    and theta_pre of one process bit for bit and its trained values and heads to fp32 rounding; it resumes in one
-    process, whose task adapters predict as the one-process learner's. Copying the sharded model is refused."""
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "FSDP",
+        pytest.param(
+            "DEEPSPEED",
+            marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed"),
+        ),
+    ],
+)
+def test_two_tasks_under_fsdp2_or_zero3_learn_what_one_process_learns(tmp_path, monkeypatch, engine):
+    """Both tasks trained by Trainers sharding the model with FSDP2, or partitioning it with DeepSpeed ZeRO-3
+    (TrainingArguments(deepspeed=...); the second task's head is written into the partitioned model) on 2 processes:
+    the saved learner holds the regions and theta_pre of one process bit for bit and its trained values and heads to
+    fp32 rounding (rtol 1e-5, atol 1e-6); it resumes in one process, whose task adapters predict as the one-process
+    learner's. Copying the sharded or partitioned model is refused. Under ZeRO-3 the learner also resumes on theta_pre
+    partitioned, holding the trained model bit for bit."""
     script = os.path.join(os.path.dirname(__file__), "continual_script.py")
     (tmp_path / "one").mkdir()
     run_command([sys.executable, script, str(tmp_path / "one")], tmp_path)
-    monkeypatch.setenv("FSDP", "1")
+    monkeypatch.setenv(engine, "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     (tmp_path / "two").mkdir()
     run_command([*TORCHRUN, script, str(tmp_path / "two")], tmp_path)
     assert (tmp_path / "one" / "rank0.txt").read_text() == "sharded=False tasks=first,second to_peft_model=built"
+    resumed = " resumed_partitioned=True" if engine == "DEEPSPEED" else ""  # from_pretrained on a partitioned model
     for rank in (0, 1):
         assert (tmp_path / "two" / f"rank{rank}.txt").read_text() == (
-            "sharded=True tasks=first,second to_peft_model=refused"
+            "sharded=True tasks=first,second to_peft_model=refused" + resumed
         )
     one = load_file(tmp_path / "one" / "learner" / continual.STATE_NAME)
     two = load_file(tmp_path / "two" / "learner" / continual.STATE_NAME)

@@ -1,7 +1,8 @@
 """MaskTrainer under DeepSpeed ZeRO-3: 2 CPU processes (gloo, DeepSpeed's CPU accelerator), every tensor partitioned
 (S included), learn the same S and save the same graft as 1 process on the same global batch, whether the graft was
 created on the whole model or on a model loaded partitioned (``zero.Init``). The runs are tests/ddp_mask_script.py
-with DEEPSPEED=1 (the Trainer's ``deepspeed`` argument)."""
+with DEEPSPEED=1 (the Trainer's ``deepspeed`` argument), or DEEPSPEED=accelerate under ``accelerate launch`` with
+examples/accelerate_deepspeed_zero3.yaml."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ if importlib.util.find_spec("deepspeed") is None:  # not imported here: only the
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_mask_script.py")
 REFUSAL = "evaluation after hardening refused: A graft model's forward cannot run under DeepSpeed ZeRO-3 once"
+
+
+ZERO3_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_deepspeed_zero3.yaml")
 
 
 def check_same_learning(one, two) -> None:
@@ -78,3 +82,20 @@ def test_two_processes_under_zero3_select_the_same_mask_with_the_sign_test(tmp_p
     graft_two = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
     assert graft_one.keys() == graft_two.keys()
     assert all(torch.equal(graft_one[name], graft_two[name]) for name in graft_one)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_under_an_accelerate_zero3_config_learn_the_same_mask_as_one(tmp_path, monkeypatch):
+    """``accelerate launch`` with examples/accelerate_deepspeed_zero3.yaml (no ``deepspeed`` argument; ZeRO-3 keeps the
+    small tensors gathered between steps): the same report, S and grafts as one process."""
+    single = run_command([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)
+    report = single.split("sharded=False ")[1].splitlines()[0]
+    monkeypatch.setenv("DEEPSPEED", "accelerate")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3_CONFIG, "--num_processes", "2"]
+    launch += ["--gradient_accumulation_steps", "2", "--gradient_clipping", "0"]  # as the script's arguments
+    double = run_command([*launch, SCRIPT, str(tmp_path / "two")], tmp_path)
+    assert "partitioned=True\nworld_size=2 accumulation=2 sharded=False" in double
+    assert double.split("sharded=False ")[1].splitlines()[0] == report
+    assert REFUSAL in double
+    check_same_learning(tmp_path / "one", tmp_path / "two")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import SimpleNamespace
@@ -24,6 +25,13 @@ from testing_utils import (
 from transformers import Trainer
 
 from peft_graft import GraftConfig, Region, RestrictTrainingCallback, TrainingRestriction, restrict_training
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
+ZERO3_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_deepspeed_zero3.yaml")
+# accelerate launch with the example ZeRO-3 config: 2 processes, the script's accumulation and clipping
+ACCELERATE_ZERO3 = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3_CONFIG]
+ACCELERATE_ZERO3 += ["--num_processes", "2", "--gradient_accumulation_steps", "2", "--gradient_clipping", "0.5"]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
 
 OPTIMIZERS = {
     "sgd_momentum_decay": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1),
@@ -208,11 +216,7 @@ def test_bad_regions_are_clear_errors(kwargs, error, match):
 
 @pytest.mark.multiprocess
 def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
-    run_command(
-        [*TORCHRUN, script, str(tmp_path)],
-        tmp_path,
-    )
+    run_command([*TORCHRUN, SCRIPT, str(tmp_path)], tmp_path)
     for rank in (0, 1):
         world, kept, moved, _ = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert world == "world_size=2" and kept == "kept=True" and int(moved.split("=")[1]) > 0
@@ -220,28 +224,69 @@ def test_ddp_two_processes_keep_frozen_entries_and_agree(tmp_path):
     assert all(torch.equal(first[name], second[name]) for name in first)
 
 
-@pytest.mark.multiprocess
-def test_fsdp2_keeps_disallowed_entries_on_every_shard_and_trains_as_one_process(tmp_path, monkeypatch):
-    """A Trainer run sharded by FSDP2 (DTensor parameters; the hooks see each process's reduced shard) under AdamW with
-    weight decay and clipping: entries outside the allowed region and inside the frozen one stay bit-identical, and
-    the gathered model is the one-process model to fp32 rounding, through the copying and the sparse path."""
-    script = os.path.join(os.path.dirname(__file__), "ddp_restriction_script.py")
+def check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, engine: str, value: str = "1", launch=TORCHRUN):
+    """ddp_restriction_script.py with ALLOWED=1 in 1 process, then in 2 (``launch``) with ``engine`` set to ``value``:
+    every process kept the disallowed entries bit for bit, and its gathered model is the one-process model to fp32
+    rounding (rtol 1e-5, atol 1e-6)."""
     monkeypatch.setenv("ALLOWED", "1")
     (tmp_path / "one").mkdir()
-    run_command([sys.executable, script, str(tmp_path / "one")], tmp_path)
-    monkeypatch.setenv("FSDP", "1")
+    run_command([sys.executable, SCRIPT, str(tmp_path / "one")], tmp_path)
+    monkeypatch.setenv(engine, value)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     (tmp_path / "two").mkdir()
-    run_command([*TORCHRUN, script, str(tmp_path / "two")], tmp_path)
+    run_command([*launch, SCRIPT, str(tmp_path / "two")], tmp_path)
     single = (tmp_path / "one" / "rank0.txt").read_text().split()
     assert single[0] == "world_size=1" and single[1] == "kept=True" and int(single[2].split("=")[1]) > 0
     expected = load_file(tmp_path / "one" / "params0.safetensors")
     for rank in (0, 1):
         world, kept, moved, sharded = (tmp_path / "two" / f"rank{rank}.txt").read_text().split()
         assert (world, kept, sharded) == ("world_size=2", "kept=True", "sharded=True")
-        assert int(moved.split("=")[1]) > 0
+        assert moved == single[2]
         params = load_file(tmp_path / "two" / f"params{rank}.safetensors")
         for name in expected:
             torch.testing.assert_close(params[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_keeps_disallowed_entries_on_every_shard_and_trains_as_one_process(tmp_path, monkeypatch):
+    """A Trainer run sharded by FSDP2 (DTensor parameters; the hooks see each process's reduced shard) under AdamW with
+    weight decay and clipping: entries outside the allowed region and inside the frozen one stay bit-identical, and
+    the gathered model is the one-process model to fp32 rounding, through the copying and the sparse path."""
+    check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "FSDP")
+
+
+@pytest.mark.multiprocess
+@needs_deepspeed
+@pytest.mark.parametrize("entry_point", ["trainer_argument", "accelerate_config"])
+def test_zero3_keeps_disallowed_entries_on_every_partition_and_trains_as_one_process(
+    tmp_path, monkeypatch, entry_point
+):
+    """A Trainer run partitioned by DeepSpeed ZeRO-3 (2 CPU processes, gloo) under the Trainer's AdamW with weight
+    decay and DeepSpeed's gradient clipping (which must see only allowed gradients: the global norm, 2.06 on the first
+    step, is clipped to 0.5): entries outside the allowed region, inside the frozen one and of a tensor frozen whole
+    stay bit-identical, and the gathered model is the one-process model to fp32 rounding. Started with
+    TrainingArguments(deepspeed=<ZeRO-3 config>) under torchrun (every tensor partitioned), or by ``accelerate launch``
+    with examples/accelerate_deepspeed_zero3.yaml (small tensors persist whole between steps: the values written back
+    reach them)."""
+    if entry_point == "trainer_argument":
+        check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "DEEPSPEED")
+    else:
+        check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "DEEPSPEED", "accelerate", ACCELERATE_ZERO3)
+
+
+@pytest.mark.multiprocess
+@needs_deepspeed
+def test_zero3_in_bf16_keeps_disallowed_entries_bit_identical(tmp_path, monkeypatch):
+    """DeepSpeed's bf16 mixed precision under ZeRO-3 (bf16 partitions, fp32 copies stepped and written back): the
+    disallowed entries keep their bf16 bits, and training moves others."""
+    for name, value in {"ALLOWED": "1", "DEEPSPEED": "1", "BF16": "1", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    run_command([*TORCHRUN, SCRIPT, str(tmp_path)], tmp_path)
+    for rank in (0, 1):
+        world, kept, moved, sharded = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert (world, kept, sharded) == ("world_size=2", "kept=True", "sharded=True")
+        assert int(moved.split("=")[1]) > 0
+    assert load_file(tmp_path / "params0.safetensors")["classifier.weight"].dtype == torch.bfloat16
 
 
 def test_gradient_clipping_sees_only_allowed_gradients():

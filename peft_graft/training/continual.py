@@ -33,7 +33,17 @@ from .._files import check_file, read_json
 from ..parameter_layout import FlatIndexSpace, build_layout
 from ..regions import Region
 from ..regions.region import saved_region
-from ..sharding import is_sharded, read_entries, refuse_deepspeed, whole, write_entries
+from ..sharding import (
+    deepspeed_refusal,
+    full_numel,
+    full_shape,
+    is_partitioned,
+    is_sharded,
+    read_entries,
+    whole,
+    write_entries,
+    zero_stage,
+)
 from ..tuner import GraftConfig
 from ..tuner.model import check_adapter_name
 
@@ -89,7 +99,7 @@ class ContinualGrafter:
     def __init__(self, model: nn.Module, heads: Sequence[str] = ()) -> None:
         if isinstance(model, PeftModel) or any("graft_" in name for name, _ in model.named_parameters()):
             raise TypeError("ContinualGrafter trains the plain pre-trained model: pass the model a graft wraps.")
-        refuse_deepspeed("ContinualGrafter", model)
+        _refuse_zero12("ContinualGrafter", model)
         if isinstance(heads, str):
             heads = [heads]
         self.model = model
@@ -125,7 +135,8 @@ class ContinualGrafter:
     def _params(self) -> dict[str, nn.Parameter]:
         """The model's parameters by first name, looked up afresh: FSDP2 replaces them by sharded ones when a Trainer
         shards the model (every read and write below then works on each process's shard, see
-        :mod:`peft_graft.sharding`)."""
+        :mod:`peft_graft.sharding`). Under DeepSpeed ZeRO-3 they stay the same parameters, partitioned: reads gather
+        them, writes go to each process's partition (between the tasks' Trainer runs)."""
         return dict(self.model.named_parameters())
 
     # ------------------------------------------------------------------------------------------ regions
@@ -177,7 +188,7 @@ class ContinualGrafter:
                     f"Task {name!r}: the region names {tensor!r} of a head ({self.heads}); heads are trained whole "
                     "for each task: leave them out of the region."
                 )
-            if int(indices.max()) >= self._params[canonical].numel():
+            if int(indices.max()) >= full_numel(self._params[canonical]):
                 raise ValueError(f"Task {name!r}: region indices of {tensor!r} fall outside the tensor.")
             by_canonical.setdefault(canonical, []).append(indices)
         region = Region({n: torch.cat(parts) for n, parts in by_canonical.items()})
@@ -199,7 +210,7 @@ class ContinualGrafter:
             if module not in checksums:
                 continue
             attrs = layout.stored[module]
-            space = FlatIndexSpace(attrs, [getattr(self.model.get_submodule(module), a).numel() for a in attrs])
+            space = FlatIndexSpace(attrs, [full_numel(getattr(self.model.get_submodule(module), a)) for a in attrs])
             flat = torch.cat([space.start(attr) + local for attr, local in parts.items()]).sort().values
             digest = hashlib.sha256()
             for attr, local, _ in space.split(flat):
@@ -238,13 +249,14 @@ class ContinualGrafter:
         params = self._params
         for name in self._head_params:  # every shape checked before any value is written
             param, value = params[name], head[name]
-            if tuple(value.shape) != tuple(param.shape):
+            if tuple(value.shape) != tuple(full_shape(param)):
                 raise ValueError(
-                    f"{what}: head tensor {name!r} has shape {tuple(value.shape)}, the model's {tuple(param.shape)}."
+                    f"{what}: head tensor {name!r} has shape {tuple(value.shape)}, the model's "
+                    f"{tuple(full_shape(param))}."
                 )
         for name in self._head_params:
             param = params[name]
-            write_entries(param, torch.arange(param.numel()), head[name].reshape(-1))
+            write_entries(param, torch.arange(full_numel(param)), head[name].reshape(-1))
 
     def _write(self, task: ContinualTask, values: Mapping[str, torch.Tensor]) -> None:
         params = self._params
@@ -285,7 +297,7 @@ class ContinualGrafter:
                 f"Task {self._running['task'].name!r} is still running: finish_task() or abort_task() it first."
             )
         check_adapter_name(name)  # a task's name becomes its adapter's name
-        refuse_deepspeed(f"ContinualGrafter.start_task({name!r})", self.model)
+        _refuse_zero12(f"ContinualGrafter.start_task({name!r})", self.model)
         if name in self.task_names:
             raise ValueError(f"A task named {name!r} was already learned (order {self._task(name).order}).")
         region = self._as_region(region, name)
@@ -302,7 +314,7 @@ class ContinualGrafter:
         head_before = self._head_state()
         self._load_head(self.pretrained_head if head is None else head, f"Task {name!r}'s head")
         self._running = {"task": task, "head_before": head_before}
-        heads = Region({n: torch.arange(self._params[n].numel()) for n in self._head_params})
+        heads = Region({n: torch.arange(full_numel(self._params[n])) for n in self._head_params})
         return trained | heads
 
     def finish_task(self) -> ContinualTask:
@@ -375,9 +387,10 @@ class ContinualGrafter:
             raise ValueError(f"Task {self._running['task'].name!r} is running: finish_task() before {what}.")
 
     def _check_whole(self, what: str) -> None:
-        if any(is_sharded(param) for param in self.model.parameters()):
+        engine = next(filter(None, map(_split_by, self.model.parameters())), None)
+        if engine is not None:
             raise ValueError(
-                f"{what} copies the whole continual model, which FSDP2 shards: save_pretrained() the learner (from "
+                f"{what} copies the whole continual model, which {engine}: save_pretrained() the learner (from "
                 "rank 0), then in one process ContinualGrafter.from_pretrained(path, <pre-trained model>) and call "
                 f"{what} there."
             )
@@ -518,6 +531,25 @@ class ContinualGrafter:
         if learner.tasks:
             learner._load_head(learner.tasks[-1].head, f"{path!r}")
         return learner
+
+
+def _split_by(param: torch.Tensor) -> str | None:
+    """What splits ``param`` across processes, in words; ``None`` for a whole parameter."""
+    if is_sharded(param):
+        return "FSDP2 shards"
+    return "DeepSpeed ZeRO-3 partitions" if is_partitioned(param) else None
+
+
+def _refuse_zero12(action: str, model: nn.Module) -> None:
+    """Refuse ``action`` under DeepSpeed ZeRO-1/2, where the tasks' restricted training cannot run."""
+    stage = zero_stage(model)
+    if stage is not None and stage != 3:
+        reason = (
+            "a continual learner trains each task under a training restriction, which peft_graft runs under DeepSpeed "
+            "only at ZeRO-3 (zero_optimization.stage 3). Use ZeRO-3, FSDP2 (fully_shard: Trainer fsdp=True with "
+            "fsdp_config={'version': 2}) or DDP; see docs/fsdp.md."
+        )
+        raise deepspeed_refusal(action, f"DeepSpeed ZeRO-{stage}", reason)
 
 
 def _group(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

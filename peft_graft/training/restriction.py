@@ -25,6 +25,16 @@ enough (AdamW's decoupled weight decay and earlier momentum move entries with a 
 
 Under FSDP2 (``fully_shard``) each process restricts the shard of every parameter it holds, with indices local to it;
 FSDP2 runs the gradient hooks on each reduced shard, before clipping and the step.
+
+Under DeepSpeed ZeRO-3 the optimizer step happens inside DeepSpeed's engine (``engine.step()``, which accelerate calls
+from ``accelerator.backward`` at the end of each accumulation), on flat fp32 copies of each process's partition of the
+parameters. The restriction wraps that step (``param._z3_optimizer.step``, so it must be created once the engine
+exists: :class:`RestrictTrainingCallback` does it when training begins). Each process works on its partitions, with
+indices local to them: before the step it zeroes the disallowed entries of the reduced gradient partitions (so that
+the gradient clipping DeepSpeed does inside its step sees only allowed gradients) and copies the disallowed fp32
+values; right after the inner ``torch.optim`` optimizer stepped (a step post-hook), it writes them back, before
+DeepSpeed copies the fp32 values into the model's partitions (and gathers persistent parameters). Every restricted
+tensor takes this copying path: its fp32 partition is copied around each step.
 """
 
 from __future__ import annotations
@@ -38,7 +48,23 @@ from transformers import TrainerCallback
 
 from ..parameter_layout import PEFT_PREFIX, peft_free_name
 from ..regions import Region
-from ..sharding import is_sharded, local_flat, refuse_deepspeed
+from ..sharding import (
+    deepspeed_refusal,
+    full_numel,
+    is_partitioned,
+    is_sharded,
+    local_flat,
+    partition_span,
+    zero_stage,
+)
+
+ACTION = "Restricted training (TrainingRestriction, RestrictTrainingCallback)"
+ZERO3_ONLY = (
+    "peft_graft restricts training under DeepSpeed only at ZeRO-3 (zero_optimization.stage 3), where it restricts the "
+    "step DeepSpeed takes on each process's partitions; ZeRO-1/2 step flat fp32 copies of whole parameters whose "
+    "entries the restriction does not reach. Use ZeRO-3, FSDP2 (fully_shard: Trainer fsdp=True with "
+    "fsdp_config={'version': 2}) or DDP; see docs/fsdp.md."
+)
 
 
 @dataclass
@@ -54,6 +80,96 @@ class _Restricted:
     zero_state: dict[int, bool] = field(default_factory=dict)  # optimizer id -> state zero outside the allowed entries
 
 
+class _Zero3Step:
+    """The restriction of DeepSpeed ZeRO-3's own optimizer step (see the module's docstring): ``restricted`` hold
+    indices local to this process's partitions."""
+
+    def __init__(self, optimizer, restricted: list[_Restricted]) -> None:
+        optimizer._graft_restricted = True
+        self.optimizer = optimizer
+        self.restricted = restricted
+        self.spans = [partition_span(e.param)[1] for e in restricted]  # real (not padding) entries held here
+        original = self.optimizer.step
+
+        def step(*args, **kwargs):
+            self._mask_and_copy()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for entry in self.restricted:
+                    entry.saved = None
+
+        self._step = step
+        self.optimizer.step = step  # the engine calls self.optimizer.step()
+        self._hook = self.optimizer.optimizer.register_step_post_hook(lambda *_: self._write_back())
+
+    def _mask_and_copy(self) -> None:
+        """Before DeepSpeed's step: zero the disallowed gradient entries, copy the disallowed fp32 values."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad, safe_set_local_grad
+
+        with torch.no_grad():
+            for entry, count in zip(self.restricted, self.spans, strict=True):
+                grad = safe_get_local_grad(entry.param).clone()
+                _zero_disallowed(grad[:count], entry)
+                safe_set_local_grad(entry.param, grad)
+                master = safe_get_local_fp32_param(entry.param)[:count]
+                whole = entry.indices is None or entry.inside_allowed
+                entry.saved = (master if whole else master[entry.indices]).clone()
+
+    def _write_back(self) -> None:
+        """After the inner optimizer stepped (once per DeepSpeed sub-group: idempotent), before DeepSpeed copies the
+        fp32 values into the partitions: write the copied values back."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+        with torch.no_grad():
+            for entry, count in zip(self.restricted, self.spans, strict=True):
+                if entry.saved is None:
+                    continue
+                master = safe_get_local_fp32_param(entry.param).clone()
+                real = master[:count]
+                if entry.indices is None:
+                    real.copy_(entry.saved)
+                elif entry.inside_allowed:
+                    stepped = real[entry.indices]
+                    real.copy_(entry.saved)
+                    real[entry.indices] = stepped
+                else:
+                    real[entry.indices] = entry.saved
+                safe_set_local_fp32_param(entry.param, master)
+
+    def remove(self) -> None:
+        del self.optimizer.step  # the class's step again
+        self._hook.remove()
+        self.optimizer._graft_restricted = False
+
+
+def _zero3_optimizer(model: nn.Module):
+    """The ZeRO-3 optimizer of the DeepSpeed engine training ``model`` (a ``ValueError`` without one, or with an
+    offloaded optimizer)."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    optimizers = {id(p._z3_optimizer): p._z3_optimizer for p in trainable if getattr(p, "_z3_optimizer", None)}
+    if len(optimizers) != 1 or not all(getattr(p, "_z3_optimizer", None) for p in trainable):
+        raise ValueError(
+            f"{ACTION} under DeepSpeed ZeRO-3 restricts the step of the DeepSpeed engine training the model, which "
+            "does not exist yet (or several do): create it once deepspeed.initialize (or the Trainer) has built the "
+            "engine, as RestrictTrainingCallback does when training begins."
+        )
+    optimizer = next(iter(optimizers.values()))
+    if getattr(optimizer, "_graft_restricted", False):
+        raise ValueError(
+            f"{ACTION}: another restriction already restricts this DeepSpeed engine's step; remove() it first (or "
+            "pass the union of the regions to one restriction)."
+        )
+    if optimizer.offload_optimizer:
+        raise deepspeed_refusal(
+            ACTION,
+            "DeepSpeed ZeRO-3 with offload_optimizer",
+            "the offloaded optimizer keeps its fp32 partitions and gradients apart from the ones restricted here. "
+            "Remove offload_optimizer from the DeepSpeed config, or use FSDP2 or DDP; see docs/fsdp.md.",
+        )
+    return optimizer
+
+
 class TrainingRestriction:
     """Restrict which parameter entries of ``model`` training may change.
 
@@ -65,11 +181,16 @@ class TrainingRestriction:
             Where ``allowed`` and ``frozen`` overlap, ``frozen`` wins: those entries never change.
 
     Use :meth:`step` around ``optimizer.step()`` in a custom loop, or :class:`RestrictTrainingCallback` with a
-    ``Trainer``; :meth:`remove` (or leaving the ``with`` block) detaches the gradient hooks.
+    ``Trainer``; :meth:`remove` (or leaving the ``with`` block) detaches the gradient hooks. Under DeepSpeed ZeRO-3,
+    create it after ``deepspeed.initialize`` and step the engine as usual (``engine.step()``): the restriction acts
+    inside DeepSpeed's step, and :meth:`remove` gives DeepSpeed its own step back.
     """
 
     def __init__(self, model: nn.Module, allowed: Region | None = None, frozen: Region | None = None) -> None:
-        refuse_deepspeed("Restricted training (TrainingRestriction, RestrictTrainingCallback)", model)
+        stage = zero_stage(model)
+        if stage is not None and stage != 3:
+            raise deepspeed_refusal(ACTION, f"DeepSpeed ZeRO-{stage}", ZERO3_ONLY)
+        zero3_optimizer = _zero3_optimizer(model) if stage == 3 else None
         for name, region in (("allowed", allowed), ("frozen", frozen)):
             if region is not None and not isinstance(region, Mapping):
                 raise TypeError(f"{name} must be a Region (parameter name -> flat indices), got {type(region)}.")
@@ -109,9 +230,9 @@ class TrainingRestriction:
             if not param.requires_grad:
                 continue
             mask = self._disallowed(param, sorted(names_of[key]), allowed, frozen)
-            if mask is not None:  # under FSDP2, this process's shard of the parameter: its indices are local
-                local, start = local_flat(param)
-                mask = mask[start : start + local.numel()]
+            if mask is not None:  # under FSDP2 or ZeRO-3, this process's shard or partition: its indices are local
+                start, count = partition_span(param) if is_partitioned(param) else _shard_span(param)
+                mask = mask[start : start + count]
             if mask is None or not mask.any():
                 continue  # free: nothing to restrict
             num_disallowed = int(mask.sum())
@@ -122,12 +243,14 @@ class TrainingRestriction:
             else:
                 entry = _Restricted(param, (~mask).nonzero().reshape(-1), inside_allowed=True)
             self.restricted.append(entry)
-            self._hooks.append(param.register_post_accumulate_grad_hook(_zeroing_hook(entry)))
+            if not is_partitioned(param):  # ZeRO-3 masks the reduced partitions in its step instead
+                self._hooks.append(param.register_post_accumulate_grad_hook(_zeroing_hook(entry)))
+        self._zero3 = _Zero3Step(zero3_optimizer, self.restricted) if stage == 3 else None
 
     @staticmethod
     def _disallowed(param, names, allowed, frozen) -> torch.Tensor | None:
         """Flat boolean mask of the entries of ``param`` that may not change, or ``None`` if all may."""
-        numel = param.numel()
+        numel = full_numel(param)
         disallowed = None
         if allowed is not None:
             disallowed = torch.ones(numel, dtype=torch.bool, device=param.device)
@@ -149,6 +272,8 @@ class TrainingRestriction:
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Just before ``optimizer.step()``: drop the gradients of whole frozen tensors, copy partly frozen values (or,
         given a ``torch.optim`` SGD/Adam/AdamW ``optimizer``, take sparse allowed entries out of weight decay)."""
+        if self._zero3 is not None:
+            return  # restricted inside DeepSpeed's own step (which has run when a Trainer calls this)
         # Under accelerate's loss scaler (fp16) the gradients may still be scaled here, and a step may be skipped: the
         # hand-made weight decay of the sparse path would be wrong, so every tensor takes the copying path then.
         scaled = getattr(optimizer, "scaler", None) is not None
@@ -267,6 +392,9 @@ class TrainingRestriction:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._zero3 is not None:
+            self._zero3.remove()
+            self._zero3 = None
 
     def __enter__(self) -> TrainingRestriction:
         return self
@@ -305,21 +433,32 @@ def _zero_update_outside(entry: _Restricted, optimizer) -> bool:
     return entry.zero_state[key]
 
 
+def _shard_span(param: nn.Parameter) -> tuple[int, int]:
+    """``(flat index of the first entry, number of entries)`` this process holds of ``param`` (all of it unless FSDP2
+    shards it)."""
+    local, start = local_flat(param)
+    return start, local.numel()
+
+
+def _zero_disallowed(flat: torch.Tensor, entry: _Restricted) -> None:
+    """Zero the disallowed entries of ``entry`` in ``flat`` (its gradient, or this process's part of it), in place."""
+    if entry.indices is None:
+        flat.zero_()
+    elif entry.inside_allowed:
+        kept = flat[entry.indices]
+        flat.zero_()
+        flat[entry.indices] = kept
+    else:
+        flat.index_fill_(0, entry.indices, 0)
+
+
 def _zeroing_hook(entry: _Restricted):
     """A hook run once a gradient is accumulated into ``param.grad``: zero its disallowed entries there, in place."""
 
     def zero_disallowed(param: torch.Tensor) -> None:
         if not is_sharded(param.grad) and not param.grad.is_contiguous():
             param.grad = param.grad.contiguous()
-        flat = local_flat(param.grad)[0]  # under FSDP2 the hook runs on this process's reduced shard
-        if entry.indices is None:
-            flat.zero_()
-        elif entry.inside_allowed:
-            kept = flat[entry.indices]
-            flat.zero_()
-            flat[entry.indices] = kept
-        else:
-            flat.index_fill_(0, entry.indices, 0)
+        _zero_disallowed(local_flat(param.grad)[0], entry)  # under FSDP2 the hook runs on the reduced shard
 
     return zero_disallowed
 
