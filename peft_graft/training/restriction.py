@@ -147,13 +147,20 @@ class _Zero3Step:
 def _zero3_optimizer(model: nn.Module):
     """The ZeRO-3 optimizer of the DeepSpeed engine training ``model`` (a ``ValueError`` without one, or with an
     offloaded optimizer)."""
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    optimizers = {id(p._z3_optimizer): p._z3_optimizer for p in trainable if getattr(p, "_z3_optimizer", None)}
-    if len(optimizers) != 1 or not all(getattr(p, "_z3_optimizer", None) for p in trainable):
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    optimizers = {id(p._z3_optimizer): p._z3_optimizer for _, p in trainable if getattr(p, "_z3_optimizer", None)}
+    if len(optimizers) != 1:
         raise ValueError(
             f"{ACTION} under DeepSpeed ZeRO-3 restricts the step of the DeepSpeed engine training the model, which "
             "does not exist yet (or several do): create it once deepspeed.initialize (or the Trainer) has built the "
             "engine, as RestrictTrainingCallback does when training begins."
+        )
+    outside = [name for name, param in trainable if not getattr(param, "_z3_optimizer", None)]
+    if outside:
+        raise ValueError(
+            f"{ACTION} under DeepSpeed ZeRO-3: the parameters {outside[:3]} require gradients but are not in the "
+            "DeepSpeed engine's optimizer: give the engine all trainable parameters, or set requires_grad=False on "
+            "these before deepspeed.initialize."
         )
     optimizer = next(iter(optimizers.values()))
     if getattr(optimizer, "_graft_restricted", False):
