@@ -524,7 +524,8 @@ class TaskVectorStack:
 
 
 def _digest(tuner: GraftModel, module: str, name: str) -> str:
-    """A checksum of one graft's entries in one layer (indices, fp32 values, exact entries), however they are held."""
+    """A checksum of one graft's entries in one layer (indices, fp32 values, exact entries), however they are held, and
+    of the theta_pre its config records there (the base is checked against it only when the stack is built)."""
     layer = tuner.model.get_submodule(module)
     if layer.learner(name) is not None:
         return "learning"  # refused by the merge's checks anyway
@@ -532,7 +533,8 @@ def _digest(tuner: GraftModel, module: str, name: str) -> str:
     positions, targets = layer.exact_entries(name)
     parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
              "targets": targets.float()}  # fmt: skip
-    return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, {})
+    recorded = {"base_checksum": str(tuner.peft_config[name].base_checksum.get(module))}
+    return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, recorded)
 
 
 def _union(layer: GraftLayer, names: list[str]) -> torch.Tensor:

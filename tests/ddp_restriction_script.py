@@ -5,7 +5,8 @@ whole under FSDP2) and the frozen entries' check.
 ``FSDP=1``: under torchrun, the Trainer shards the model with FSDP2 (``fsdp_config``, one unit per BertLayer).
 ``DEEPSPEED=1``: under torchrun, the Trainer partitions the model with DeepSpeed ZeRO-3 (its ``deepspeed`` argument,
 the Trainer's optimizer, DeepSpeed's gradient clipping; every tensor partitioned); with ``BF16=1`` too, in bf16 mixed
-precision.
+precision; with ``SUB_GROUPS=1`` too, DeepSpeed steps the partitions in several sub-groups (a small
+``sub_group_size``), and each process writes OUTPUT_DIR/sub_groups<r>.txt (their number).
 ``ALLOWED=1``: also restrict training to a sparse allowed region (whole for the LayerNorms and the classifier), so that
 both the copying path and the sparse path (weight decay by hand) run, and one tensor frozen whole.
 """
@@ -48,6 +49,8 @@ if DEEPSPEED:  # "accelerate": from an accelerate config file (accelerate launch
     SHARDING = {"deepspeed": ZERO3} if os.environ["DEEPSPEED"] == "1" else {}
     if os.environ.get("BF16") == "1":  # DeepSpeed's bf16 mixed precision: bf16 partitions, fp32 copies stepped
         SHARDING = {"deepspeed": {**ZERO3, "bf16": {"enabled": "auto"}}, "bf16": True}
+    if os.environ.get("SUB_GROUPS") == "1":  # one optimizer step per sub-group of at least 2,000 partition entries
+        SHARDING = {"deepspeed": {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "sub_group_size": 2000}}}
 
 
 def whole(param: torch.Tensor) -> torch.Tensor:
@@ -89,7 +92,8 @@ def main(output_dir: str) -> None:
         weight_decay=0.1, max_grad_norm=0.5, **SHARDING,
     )  # fmt: skip
     callback = RestrictTrainingCallback(allowed=allowed, frozen=frozen)
-    Trainer(model=model, args=args, train_dataset=cls_dataset(n=24), callbacks=[callback]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=cls_dataset(n=24), callbacks=[callback])
+    trainer.train()
     sharded = any(type(p).__name__ == "DTensor" or hasattr(p, "ds_id") for p in model.parameters())
     after = {n: whole(p) for n, p in model.named_parameters()}
     kept = all(torch.equal(before[n][frozen[n]], after[n][frozen[n]]) for n in before)
@@ -100,6 +104,9 @@ def main(output_dir: str) -> None:
         kept = kept and all(torch.equal(before[n][outside[n]], after[n][outside[n]]) for n in before)
     moved = sum(int((before[n] != after[n]).sum()) for n in before)
     rank = int(os.environ.get("RANK", 0))
+    if DEEPSPEED and os.environ.get("SUB_GROUPS") == "1":
+        with open(os.path.join(output_dir, f"sub_groups{rank}.txt"), "w") as handle:
+            handle.write(str(len(trainer.model_wrapped.optimizer.fp16_groups)))
     save_file(after, os.path.join(output_dir, f"params{rank}.safetensors"))
     with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as handle:
         handle.write(f"world_size={args.world_size} kept={kept} moved={moved} sharded={sharded}")

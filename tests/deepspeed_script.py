@@ -37,6 +37,7 @@ from peft_graft import (
     restrict_training,
 )
 from peft_graft.merging import merge_grafts
+from peft_graft.sharding import write_entries
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -96,6 +97,22 @@ def custom_loop_keeps(model: torch.nn.Module, region: Region, ids: torch.Tensor)
         kept = kept and bool(torch.isin(changed, region.get(name, torch.tensor([], dtype=torch.long))).all())
         moved += changed.numel()
     return kept and moved > 0
+
+
+def write_after_engine_stopped(model: torch.nn.Module, region: Region) -> bool:
+    """Entries written into the partitions after ``deepspeed.initialize`` (as a ContinualGrafter's start_task writes
+    a head), which the engine's next step would overwrite from its fp32 copies: ``restrict_training`` is refused,
+    naming the parameter, and the engine's step is left unrestricted."""
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    write_entries(dict(model.named_parameters())["classifier.dense.weight"], torch.arange(3), torch.full((3,), 7.0))
+    try:
+        restrict_training(engine.module, allowed=region)
+    except ValueError as error:
+        expected = "parameter 'classifier.dense.weight' was written since DeepSpeed built its engine"
+        return expected in str(error) and not getattr(engine.optimizer, "_graft_restricted", False)
+    return False
 
 
 def offloaded_refusal(model: torch.nn.Module, region: Region) -> str:
@@ -184,6 +201,8 @@ def main() -> None:
     attempt(lines, "RestrictTrainingCallback", restricted.train)
     lines.append(f"custom loop restricted: {custom_loop_keeps(clone_model(pre), region, ids)}")
     lines.append(f"RestrictTrainingCallback (offload_optimizer) refused: {offloaded_refusal(clone_model(pre), region)}")
+    stopped = write_after_engine_stopped(clone_model(pre), region)
+    lines.append(f"custom loop writing after deepspeed.initialize stopped: {stopped}")
     AcceleratorState._reset_state()
     zero2 = {**ZERO3, "zero_optimization": {"stage": 2}}  # nothing partitioned: refused as DeepSpeed runs
     args = TrainingArguments(output_dir="out2", per_device_train_batch_size=4, deepspeed=zero2, **COMMON)

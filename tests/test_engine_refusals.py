@@ -28,6 +28,22 @@ def test_a_restriction_of_a_partitioned_model_without_its_engine_is_refused():
     assert all(not param._post_accumulate_grad_hooks for param in model.parameters())
 
 
+def test_a_restriction_of_trainable_parameters_outside_the_engines_optimizer_is_refused():
+    """A parameter that requires gradients but that the engine's optimizer does not hold (no ``_z3_optimizer``) is
+    named, not taken for a missing engine."""
+    pre, _, _ = make_pair("bert_cls")
+    model = partition(clone_model(pre))
+    engine_optimizer = object()
+    for name, param in model.named_parameters():
+        if not name.startswith("classifier"):
+            param._z3_optimizer = engine_optimizer  # what ZeRO-3's optimizer sets on the parameters it steps
+    region = Region({"classifier.weight": torch.arange(3)})
+    match = r"\['classifier.weight', 'classifier.bias'\] require gradients but are not in the DeepSpeed engine's"
+    with pytest.raises(ValueError, match=match):
+        restrict_training(model, allowed=region)
+    assert all(not param._post_accumulate_grad_hooks for param in model.parameters())
+
+
 def test_a_graft_partitioned_outside_mask_trainer_refuses_forward_and_merging():
     pre, finetuned, task_type = make_pair("bert_cls")
     graft = get_peft_model(clone_model(pre), GraftConfig(finetuned=finetuned, sparsity=0.05, task_type=task_type))

@@ -4,7 +4,9 @@ many merges (identical results, a changed graft refused), input Gram matrices, a
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -273,6 +275,25 @@ def test_a_stack_sees_the_base_model_changed_at_the_grafts_entries(pre, folders)
     with torch.no_grad():
         base.data.view(-1)[local[0]] = original
     merge_grafts(model, list(TASKS), "stitch", "restored", stack=stack)
+
+
+def test_a_stack_sees_a_graft_recording_another_theta_pre(pre, folders, tmp_path):  # noqa: F811
+    """A graft deleted and loaded again with the same entries but another recorded theta_pre (from another base) is
+    refused, as a merge without the stack refuses it: the stack checks the base against the records only when built."""
+    model = loaded(pre, folders, "sparse")
+    stack = TaskVectorStack(model, list(TASKS))
+    module = next(iter(model.peft_config["c"].base_checksum))
+    shutil.copytree(folders["sparse", "c"], tmp_path / "c")
+    config = json.loads((tmp_path / "c" / "adapter_config.json").read_text())
+    config["base_checksum"][module] = "0" * 16  # recorded from another base model
+    (tmp_path / "c" / "adapter_config.json").write_text(json.dumps(config))
+    model.delete_adapter("c")
+    model.load_adapter(str(tmp_path / "c"), "c")
+    with pytest.raises(ValueError, match="made from a different base model"):
+        merge_grafts(model, list(TASKS), "stitch", "unstacked")
+    with pytest.raises(ValueError, match=rf"Graft 'c' \(task 'c'\) changed in '{module}' .* stale"):
+        merge_grafts(model, list(TASKS), "stitch", "stacked", stack=stack)
+    assert "stacked" not in model.peft_config
 
 
 @pytest.mark.parametrize(

@@ -276,6 +276,19 @@ def test_zero3_keeps_disallowed_entries_on_every_partition_and_trains_as_one_pro
 
 @pytest.mark.multiprocess
 @needs_deepspeed
+def test_zero3_with_several_sub_groups_keeps_disallowed_entries_and_trains_as_one_process(tmp_path, monkeypatch):
+    """DeepSpeed ZeRO-3 steps its fp32 partitions one sub-group at a time (a small ``sub_group_size``), copying each
+    into the model's partitions right after its inner optimizer step: the values are written back after every
+    sub-group's step, so the disallowed entries of every sub-group stay bit-identical and the model is the
+    one-process model to fp32 rounding."""
+    monkeypatch.setenv("SUB_GROUPS", "1")
+    check_sharded_run_trains_as_one_process(tmp_path, monkeypatch, "DEEPSPEED")
+    for rank in (0, 1):
+        assert int((tmp_path / "two" / f"sub_groups{rank}.txt").read_text()) > 2
+
+
+@pytest.mark.multiprocess
+@needs_deepspeed
 def test_zero3_in_bf16_keeps_disallowed_entries_bit_identical(tmp_path, monkeypatch):
     """DeepSpeed's bf16 mixed precision under ZeRO-3 (bf16 partitions, fp32 copies stepped and written back): the
     disallowed entries keep their bf16 bits, and training moves others."""

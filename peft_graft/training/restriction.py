@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
@@ -146,13 +147,20 @@ class _Zero3Step:
 def _zero3_optimizer(model: nn.Module):
     """The ZeRO-3 optimizer of the DeepSpeed engine training ``model`` (a ``ValueError`` without one, or with an
     offloaded optimizer)."""
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    optimizers = {id(p._z3_optimizer): p._z3_optimizer for p in trainable if getattr(p, "_z3_optimizer", None)}
-    if len(optimizers) != 1 or not all(getattr(p, "_z3_optimizer", None) for p in trainable):
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    optimizers = {id(p._z3_optimizer): p._z3_optimizer for _, p in trainable if getattr(p, "_z3_optimizer", None)}
+    if len(optimizers) != 1:
         raise ValueError(
             f"{ACTION} under DeepSpeed ZeRO-3 restricts the step of the DeepSpeed engine training the model, which "
             "does not exist yet (or several do): create it once deepspeed.initialize (or the Trainer) has built the "
             "engine, as RestrictTrainingCallback does when training begins."
+        )
+    outside = [name for name, param in trainable if not getattr(param, "_z3_optimizer", None)]
+    if outside:
+        raise ValueError(
+            f"{ACTION} under DeepSpeed ZeRO-3: the parameters {outside[:3]} require gradients but are not in the "
+            "DeepSpeed engine's optimizer: give the engine all trainable parameters, or set requires_grad=False on "
+            "these before deepspeed.initialize."
         )
     optimizer = next(iter(optimizers.values()))
     if getattr(optimizer, "_graft_restricted", False):
@@ -167,7 +175,38 @@ def _zero3_optimizer(model: nn.Module):
             "the offloaded optimizer keeps its fp32 partitions and gradients apart from the ones restricted here. "
             "Remove offload_optimizer from the DeepSpeed config, or use FSDP2 or DDP; see docs/fsdp.md.",
         )
+    _check_fp32_copies(model, getattr(optimizer, "dp_process_group", None))
     return optimizer
+
+
+def _check_fp32_copies(model: nn.Module, group) -> None:
+    """Refuse an engine whose fp32 copy of a trainable partition is not the partition: the partition was written since
+    the engine was built, and DeepSpeed's next step would copy the stale fp32 values over the write (and the
+    restriction would keep them). Decided together by the processes of ``group`` (a collective): each holds other
+    partitions, and all must refuse or none."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    first = len(trainable)  # the first parameter written since, by number (none: len)
+    for number, (_, param) in enumerate(trainable):
+        master = safe_get_local_fp32_param(param)[: partition_span(param)[1]]
+        part = param.ds_tensor.detach().view(-1)[: master.numel()].to(master.device)
+        held = master.to(part.dtype)
+        if not bool(((held == part) | (held.isnan() & part.isnan())).all()):
+            first = number
+            break
+    if dist.is_initialized():
+        found = torch.tensor([first], device=get_accelerator().current_device_name())
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+        first = int(found.item())
+    if first < len(trainable):
+        raise ValueError(
+            f"{ACTION} under DeepSpeed ZeRO-3: parameter {trainable[first][0]!r} was written since DeepSpeed built its "
+            "engine (as ContinualGrafter's start_task, abort_task or from_pretrained write), and the engine's fp32 "
+            "copy, which its next step copies into the model, does not hold the write. Make such writes before the "
+            "engine is built: between Trainer runs, or before deepspeed.initialize in a custom loop."
+        )
 
 
 class TrainingRestriction:
