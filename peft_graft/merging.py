@@ -428,7 +428,8 @@ class TaskVectorStack:
     It also keeps, for the global rules, the task vectors as each rule trims them before weighting (TIES's top
     ``density`` and elected signs, DARE's drops, Consensus's masks: :func:`~peft_graft.merge_rules.trim`), for the
     last :attr:`TRIMS_KEPT` settings of density, seed and masks: a grid over the weights at one density trims once.
-    Each kept trim takes two booleans per stacked value.
+    Memory: the stacked values, theta_ft where stored exactly and, once a global rule asked for them, the values with
+    0 for NaN take 4 bytes each per stacked value (``num_grafts x`` the union of entries); each kept trim 2 more.
 
     It records a checksum of each graft's entries per layer and of the base model's values at their union, and every
     merge given the stack compares them again (a write through ``.data`` moves no version counter): a stack whose
