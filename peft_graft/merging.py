@@ -337,7 +337,7 @@ def merge_grafts(
             loaded.append(task)
             names[task] = task
         if stack is None:
-            stack = TaskVectorStack(model, names, exclude)
+            stack = TaskVectorStack(model, names, exclude, _one_merge=True)
         else:
             stack.check(model, names, exclude)
         merged = _merged_entries(tuner, stack, rule, options, grams)
@@ -441,7 +441,14 @@ class TaskVectorStack:
 
     TRIMS_KEPT = 8
 
-    def __init__(self, model: PeftModel, grafts: Mapping[str, str] | Sequence[str], exclude: Region | None = None):
+    def __init__(
+        self,
+        model: PeftModel,
+        grafts: Mapping[str, str] | Sequence[str],
+        exclude: Region | None = None,
+        *,
+        _one_merge: bool = False,
+    ):
         tuner = _graft_tuner(model)
         self.names = _graft_names(grafts)
         missing = [name for name in self.names.values() if name not in tuner.peft_config]
@@ -450,10 +457,12 @@ class TaskVectorStack:
         if exclude is not None and not isinstance(exclude, Region):
             raise TypeError(f"exclude must be a Region, got {type(exclude).__name__}.")
         _check_grafts(tuner, self.names)
-        self.model, self.exclude = model, exclude
-        self.digests = {(module, name): _digest(tuner, module, name) for module in tuner.graft_layers()
+        self.model, self.exclude, self._one_merge = model, exclude, _one_merge
+        # what check() compares on every later merge; merge_grafts' own stack for one merge needs none of it
+        layers = {} if _one_merge else tuner.graft_layers()
+        self.digests = {(module, name): _digest(tuner, module, name) for module in layers
                         for name in self.names.values()}  # fmt: skip
-        unions = {module: _union(layer, list(self.names.values())) for module, layer in tuner.graft_layers().items()}
+        unions = {module: _union(layer, list(self.names.values())) for module, layer in layers.items()}
         self.bases = {module: (indices, tuner.model.get_submodule(module).base_checksum(indices))
                       for module, indices in unions.items() if indices.numel()}  # fmt: skip
         self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
@@ -499,6 +508,8 @@ class TaskVectorStack:
 
     def check(self, model: PeftModel, names: dict[str, str], exclude: Region | None) -> None:
         """Refuse this stack for a merge of other grafts, another model or exclude, or grafts changed since."""
+        if self._one_merge:
+            raise ValueError("This TaskVectorStack was built by merge_grafts for one merge: build your own.")
         if model is not self.model:
             raise ValueError("The TaskVectorStack was built on another model: build one on this model.")
         if list(names.items()) != list(self.names.items()):  # rows in build order: weights follow the merge's order
@@ -568,7 +579,7 @@ def task_vector_norms(
     if stack is None:
         if grafts is None:
             raise ValueError("task_vector_norms needs grafts (loaded adapter names) or a TaskVectorStack.")
-        stack = TaskVectorStack(model, grafts)
+        stack = TaskVectorStack(model, grafts, _one_merge=True)
     tuner = _graft_tuner(stack.model)
     squares: dict[str, torch.Tensor] = {}
     for module, (indices, rows, _) in stack.layers.items():

@@ -211,6 +211,19 @@ def test_a_grid_through_one_stack_equals_peft_at_every_setting(pre, folders, mon
     assert len(calls) == 14 + 2  # once per setting (14: not per weight), and the 2 dropped ones again
 
 
+def test_a_merge_without_a_stack_records_no_checksums_for_later(pre, folders, monkeypatch):  # noqa: F811
+    """merge_grafts' own stack serves one merge: the checksums a reused stack compares are not computed for it (they
+    cost a pass over every graft's entries), and the base is still checked against each graft's theta_pre."""
+    model = loaded(pre, folders, "full")
+    calls = []
+    monkeypatch.setattr(merging, "_digest", lambda *args: calls.append(args) or "x")
+    merge_grafts(model, list(TASKS), "ties", weights=1.0, density=0.5)
+    task_vector_norms(model, list(TASKS))
+    assert calls == []
+    TaskVectorStack(model, list(TASKS))
+    assert len(calls) == len(TASKS) * len(model.base_model.graft_layers())
+
+
 def test_a_changed_graft_is_not_served_from_a_stale_stack(pre, folders):  # noqa: F811
     model = loaded(pre, folders, "sparse")
     stack = TaskVectorStack(model, list(TASKS))
