@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from testing_utils import (
+    ZERO3,
     allow_fsdp_on_cpu,
     clone_model,
     cls_dataset,
@@ -24,13 +25,6 @@ from peft_graft import ContinualGrafter, Region, RestrictTrainingCallback
 
 FSDP = os.environ.get("FSDP") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
 DEEPSPEED = os.environ.get("DEEPSPEED") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-ZERO3 = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto",
-    "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
-}  # no optimizer: the Trainer's
 
 
 def sharding(first_task: bool) -> dict:

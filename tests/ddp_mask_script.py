@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from datasets import Dataset
 from peft import get_peft_model
-from testing_utils import VOCAB, allow_fsdp_on_cpu, clone_model, exit_rank, make_pair
+from testing_utils import VOCAB, ZERO3, allow_fsdp_on_cpu, clone_model, exit_rank, make_pair
 from torch import nn
 from transformers import RobertaForSequenceClassification
 
@@ -45,13 +45,6 @@ SHARDING = (
     if os.environ.get("FSDP") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1
     else {}
 )
-ZERO3 = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto",
-    "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
-}  # no optimizer: the Trainer's (MaskTrainingArguments' SGD)
 DEEPSPEED = os.environ.get("DEEPSPEED") in ("1", "accelerate") and int(os.environ.get("WORLD_SIZE", "1")) > 1
 ZERO_INIT = DEEPSPEED and os.environ.get("ZERO_INIT") == "1"  # the graft created on a model loaded partitioned
 

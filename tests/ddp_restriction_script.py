@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from testing_utils import (
+    ZERO3,
     allow_fsdp_on_cpu,
     clone_model,
     cls_dataset,
@@ -37,13 +38,6 @@ SHARDING = (
 )
 
 
-ZERO3 = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "train_batch_size": "auto",
-    "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
-}  # no optimizer: the Trainer's
 DEEPSPEED = os.environ.get("DEEPSPEED") in ("1", "accelerate") and int(os.environ.get("WORLD_SIZE", "1")) > 1
 if DEEPSPEED:  # "accelerate": from an accelerate config file (accelerate launch), not the Trainer's argument
     SHARDING = {"deepspeed": ZERO3} if os.environ["DEEPSPEED"] == "1" else {}

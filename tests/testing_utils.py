@@ -180,6 +180,15 @@ def sparse_region(model: torch.nn.Module, fraction: float, seed: int) -> Region:
     )
 
 
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny tensors partitioned too
+}
+"""The DeepSpeed ZeRO-3 config the 2-process scripts give a Trainer: no optimizer (the Trainer's), every tensor
+partitioned."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
