@@ -22,9 +22,10 @@ The set-up (docs/merging.md says why):
   chosen on the dev sets (mean dev accuracy) over a grid widened while its winner lies on an edge it can move
   (``--max_widen`` times), never on test. Each kind's task vectors are stacked once (:class:`TaskVectorStack`) for all
   its merges; each merge's time is reported, and each task's task-vector norm per layer type.
-* **Serve, don't merge**: each task's exact (full) graft, its L&S graft and its MaskTrainer graft served in mixed
-  batches (``adapter_names``), with the forward cost of a mixed batch (in the ``"exact"`` and ``"sparse_delta"`` mixed
-  batch modes) and of the best merged model against the base model's (paired ratios, alternating in one process).
+* **Serve, don't merge**: each task's exact (full) graft, its L&S graft and its MaskTrainer graft (also MaskTrainer
+  regions of ``--served_fractions``) served in mixed batches (``adapter_names``), with the forward cost of a mixed
+  batch of each of ``--cost_batches`` sizes (in the ``"exact"`` and ``"sparse_delta"`` mixed batch modes) and of the
+  best merged model against the base model's (paired ratios, alternating in one process).
 
 Writes ``summary.md``, ``results.json`` and figures to ``--report_dir``; every fine-tune, region and score is saved in
 ``--work_dir`` as it lands, and a rerun skips what is done.
@@ -107,6 +108,17 @@ class MergeArguments:
     logit_scale: float = field(default=20.0, metadata={"help": "Fixed scale of the frozen heads' cosine logits."})
     fraction: float = field(
         default=1e-2, metadata={"help": "Size of the MaskTrainer regions, a fraction of all parameters."}
+    )
+    cost_batches: list[int] = field(
+        default_factory=lambda: [32, 256],
+        metadata={"help": "Sizes of the mixed batches of test examples whose forward is timed against the base's."},
+    )
+    served_fractions: list[float] = field(
+        default_factory=lambda: [0.001, 0.003],
+        metadata={
+            "help": "Sizes of further MaskTrainer regions per task, served in mixed batches only (accuracy "
+            "against the forward's cost)."
+        },
     )
     ls_sparsity: float = field(default=1e-5, metadata={"help": "L&S: start fraction (top of |tau|)."})
     ls_sigmoid_bias: float = field(default=5.0, metadata={"help": "L&S: |S| at the start."})
@@ -283,19 +295,36 @@ def prepare_task(run: Runner, args: MergeArguments, name: str, task: Task, pre, 
                 localize(run, args, task, pre, heads[name], finetuned, region_exclude, folder / kind)
             )
             logger.info("%s %s region: %s", name, kind, out[kind])
-    stage = Stage(folder, "learned", key)
-    out["learned"] = stage.done()
-    if out["learned"] is None:
-        start = time.perf_counter()
-        model = copy.deepcopy(pre)
-        set_head(model, heads[name])
-        num_entries = max(1, round(args.fraction * sum(p.numel() for p in pre.parameters())))
-        graft = run.learn_region(model, finetuned, task, num_entries, empty_start=False, modules_to_save=())
-        graft.save_pretrained(folder / "learned")
-        results = {"test": run.score(graft, task), "entries": graft.base_model.get_region("default").num_entries}
-        out["learned"] = stage.finish({**results, "minutes": (time.perf_counter() - start) / 60})
-        logger.info("%s MaskTrainer region: %s", name, out["learned"])
+    for kind, fraction in (("learned", args.fraction), *((sized(f), f) for f in args.served_fractions)):
+        stage = Stage(folder, kind, key if kind == "learned" else f"{key} | fraction {fraction!r}")
+        out[kind] = stage.done()
+        if out[kind] is None:
+            start = time.perf_counter()
+            model = copy.deepcopy(pre)
+            set_head(model, heads[name])
+            num_entries = max(1, round(fraction * sum(p.numel() for p in pre.parameters())))
+            graft = run.learn_region(model, finetuned, task, num_entries, empty_start=False, modules_to_save=())
+            graft.save_pretrained(folder / kind)
+            results = {"test": run.score(graft, task), "entries": graft.base_model.get_region("default").num_entries}
+            out[kind] = stage.finish({**results, "minutes": (time.perf_counter() - start) / 60})
+            logger.info("%s MaskTrainer region (%s): %s", name, kind, out[kind])
     return out
+
+
+def sized(fraction: float) -> str:
+    """The kind of a further MaskTrainer region of ``fraction`` (``--served_fractions``): ``learned_0p001`` (an adapter
+    name holds no '.')."""
+    return f"learned_{fraction:g}".replace(".", "p")
+
+
+def size_of(kind: str) -> float:
+    """The percentage of the parameters a :func:`sized` kind's regions hold."""
+    return 100 * float(kind.removeprefix("learned_").replace("p", "."))
+
+
+def served_kinds(args: MergeArguments) -> list[str]:
+    """Every kind of task graft served in mixed batches: :data:`SERVED`, then each further MaskTrainer size."""
+    return [*SERVED, *(sized(f) for f in args.served_fractions if sized(f) not in SERVED)]
 
 
 def sorted_region(region: Region) -> dict:
@@ -447,11 +476,11 @@ def _product(lists: list[list[float]]) -> list[tuple]:
     return out
 
 
-def load_grafts(pre, work: Path, names: list[str]) -> PeftModel:
-    """Every task's grafts in one model: adapters ``<task>_<kind>`` for the full graft and each region kind."""
+def load_grafts(pre, work: Path, names: list[str], kinds: list[str]) -> PeftModel:
+    """Every task's grafts in one model: adapters ``<task>_<kind>`` for each kind."""
     model = None
     for name in names:
-        for kind in ("full", *REGION_KINDS):
+        for kind in kinds:
             folder = str(work / "tasks" / name / kind)
             if model is None:
                 model = PeftModel.from_pretrained(copy.deepcopy(pre), folder, adapter_name=f"{name}_{kind}")
@@ -462,9 +491,10 @@ def load_grafts(pre, work: Path, names: list[str]) -> PeftModel:
 
 def merge_all(args: MergeArguments, run: Runner, tasks: dict[str, Task], pre, heads, key: str) -> dict:
     names = list(tasks)
-    model = load_grafts(pre, run.work, names)
+    kinds = list(dict.fromkeys(("full", *REGION_KINDS, *served_kinds(args))))
+    model = load_grafts(pre, run.work, names, kinds)
     evaluate = Evaluator(run, tasks, model, heads, key)
-    sources = {kind: {n: f"{n}_{kind}" for n in names} for kind in ("full", *REGION_KINDS)}
+    sources = {kind: {n: f"{n}_{kind}" for n in names} for kind in kinds}
     stacks = Stacks(model, sources)
     grams = functools.cache(lambda: regmean_grams(run, args, tasks, model, heads, sources["full"]))
 
@@ -625,9 +655,9 @@ def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, 
     """Each kind of task graft served in mixed batches (one graft per example, its head's logits only): accuracy, ECE,
     storage; and the forward cost of a mixed batch of each kind in each mixed-batch mode and of the best merged model,
     each a median of paired ratios against the base model's forward on the same batch, alternating in one process."""
-    names = list(tasks)
+    names, kinds = list(tasks), served_kinds(args)
     out = {}
-    for kind in SERVED:
+    for kind in kinds:
         cached = evaluate.cache.get(f"served {kind} | test")
         if cached is None:
             cached = serve_mixed(run, tasks, model, heads, {n: sources[kind][n] for n in names})
@@ -636,11 +666,20 @@ def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, 
             evaluate.store(f"served {kind} | test", cached)
         out[kind] = cached
     cached = evaluate.cache.get("forward cost")
-    if cached is None:
-        cached = forward_cost(run, tasks, model, heads, sources, build_best, run.settings["timing_repeats"])
+    sizes = [str(size) for size in args.cost_batches]
+    if cached is None or any(
+        size not in cached or f"{kind} exact" not in cached[size] for size in sizes for kind in kinds
+    ):  # fmt: skip  (every size and kind timed in one process)
+        merged = build_best()
+        try:
+            cached = {size: forward_cost(run, tasks, model, heads, sources, kinds, merged.adapter_name,
+                                         run.settings["timing_repeats"], int(size)) for size in sizes}  # fmt: skip
+        finally:
+            model.set_mixed_batch_mode("exact")
+            model.delete_adapter(merged.adapter_name)
         cached["merged_rule"] = best
         evaluate.store("forward cost", cached)
-    out["forward_cost"] = cached
+    out["forward_cost"] = {"merged_rule": cached["merged_rule"], **{size: cached[size] for size in sizes}}
     return out
 
 
@@ -682,21 +721,21 @@ def serve_mixed(run: Runner, tasks: dict[str, Task], model: PeftModel, heads, ad
     return scores
 
 
-def forward_cost(run: Runner, tasks, model: PeftModel, heads, sources: dict, build_best, repeats: int) -> dict:
-    """Median (and quartiles) over ``repeats`` rounds of time(x) / time(base) on one mixed batch of 32 test examples,
-    each x timed right after a base forward: every :data:`SERVED` kind's grafts served mixed (``adapter_names``) in
-    each of :data:`MODES`, and the best merged body active (unmerged)."""
+def forward_cost(run: Runner, tasks, model: PeftModel, heads, sources: dict, kinds, merged: str, repeats: int,
+                 size: int) -> dict:  # fmt: skip
+    """Median (and quartiles) over ``repeats`` rounds of time(x) / time(base) on the first mixed batch of ``size`` test
+    examples, each x timed right after a base forward: each of ``kinds``' grafts served mixed (``adapter_names``) in
+    each of :data:`MODES`, and the adapter ``merged`` (the best merged body) active, unmerged."""
     order = mixed_order(tasks)
-    _, batch, _ = next(mixed_batches(run, tasks, order, sources["full"]))
-    adapters = {kind: next(mixed_batches(run, tasks, order, sources[kind]))[2] for kind in SERVED}
-    merged = build_best()
+    _, batch, _ = next(mixed_batches(run, tasks, order, sources["full"], size))
+    adapters = {kind: next(mixed_batches(run, tasks, order, sources[kind], size))[2] for kind in kinds}
     set_head(model, torch.cat([heads[n] for n in tasks]))
-    variants = [f"{kind} {mode}" for kind in SERVED for mode in MODES] + ["merged"]
+    variants = [f"{kind} {mode}" for kind in kinds for mode in MODES] + ["merged"]
     timings = {name: [] for name in ("base", *variants)}
 
     def timed(name: str) -> None:
         if name == "merged":
-            model.set_adapter(merged.adapter_name)
+            model.set_adapter(merged)
         elif name != "base":
             model.set_mixed_batch_mode(name.split(" ")[1])
         start = time.perf_counter()
@@ -717,10 +756,9 @@ def forward_cost(run: Runner, tasks, model: PeftModel, heads, sources: dict, bui
             for name in variants:
                 timed("base")
                 timed(name)
-    model.set_mixed_batch_mode("exact")
-    model.delete_adapter(merged.adapter_name)
     base = timings["base"]
-    out = {"batch": len(adapters["full"]), "base_ms": 1e3 * statistics.median(base), "load": list(os.getloadavg())}
+    out = {"batch": len(adapters["full"]), "tokens": batch["input_ids"].shape[1],
+           "base_ms": 1e3 * statistics.median(base), "load": list(os.getloadavg())}  # fmt: skip
     for i, name in enumerate(variants):
         ratios = [t / b for t, b in zip(timings[name], base[i :: len(variants)], strict=True)]
         out[name] = {"median": statistics.median(ratios), "quartiles": np.quantile(ratios, [0.25, 0.75]).tolist()}
@@ -799,6 +837,19 @@ SERVED_TITLES = {
 }
 
 
+def served_titles(serving: dict) -> dict[str, str]:
+    """The report's title of each kind served in ``serving`` (a run's results), in their order."""
+    titles = {}
+    for kind in serving:
+        if kind in SERVED_TITLES:
+            titles[kind] = SERVED_TITLES[kind]
+        elif kind.startswith("learned_"):
+            titles[kind] = (
+                f"served: each task's MaskTrainer graft of {size_of(kind):g}% of the parameters, mixed batches"
+            )
+    return titles
+
+
 def seconds(row: dict) -> str:
     return f"{row['merge_seconds']:.1f}" if "merge_seconds" in row else "-"
 
@@ -831,7 +882,8 @@ def summary_markdown(results: dict, names: list[str]) -> str:
                  f"{normalized_accuracy(results['zero_shot'], individual, names):.3f} | 0 | - | - |")  # fmt: skip
     lines.append(f"| individual fine-tunes ({len(names)} models) | - | {cells(fine_tunes, names)} | 1.000 | "
                  f"{moved:,} in all ({100 * moved / params:.1f}%) | {len(names)} models | - |")  # fmt: skip
-    for kind, title in SERVED_TITLES.items():
+    titles = served_titles(merge["serving"])
+    for kind, title in titles.items():
         row = merge["serving"][kind]
         lines.append(f"| {title} | - | {cells(row, names)} | {normalized_accuracy(row, individual, names):.3f} | "
                      f"{row['entries']:,} in all ({100 * row['entries'] / params:.2f}%) | "
@@ -845,20 +897,27 @@ def summary_markdown(results: dict, names: list[str]) -> str:
                      f"{normalized_accuracy(row, individual, names):.3f} | {row['entries']:,} "
                      f"({100 * row['entries'] / params:.2f}%) | {row['bytes'] / 2**20:.1f} MiB | "
                      f"{seconds(row)} |")  # fmt: skip
-    cost = merge["serving"]["forward_cost"]
+    costs = merge["serving"]["forward_cost"]
+    sizes = [costs[size] for size in costs if size != "merged_rule"]
+    shapes = [f"{c['batch']} x {c['tokens']}" for c in sizes]
     lines += [
         "",
-        f"Forward cost of one mixed batch of {cost['batch']} test examples against the base model's forward on it "
-        f"(base {cost['base_ms']:.1f} ms; median of paired ratios, quartiles; load {cost['load'][0]:.1f}):",
+        "Forward cost of the first mixed batch of test examples against the base model's forward on it (median of "
+        "paired ratios, quartiles), per batch (examples x tokens; base "
+        + ", ".join(f"{c['base_ms']:.1f} ms at load {c['load'][0]:.1f}" for c in sizes)
+        + "):",
         "",
-        "| forward | exact | sparse_delta |",
-        "|---|---|---|",
+        "| forward | " + " | ".join(f"exact, {s} | sparse_delta, {s}" for s in shapes) + " |",
+        "|---" * (1 + 2 * len(sizes)) + "|",
     ]
-    for kind, title in SERVED_TITLES.items():
-        lines.append(f"| {title.removeprefix('served: ')} | {ratio(cost[f'{kind} exact'])} | "
-                     f"{ratio(cost[f'{kind} sparse_delta'])} |")  # fmt: skip
+    for kind, title in titles.items():
+        lines.append(f"| {title.removeprefix('served: ')} | "
+                     + " | ".join(f"{ratio(c[f'{kind} exact'])} | {ratio(c[f'{kind} sparse_delta'])}" for c in sizes)
+                     + " |")  # fmt: skip
     lines += [
-        f"| the best merged body on dev ({cost['merged_rule']}, unmerged) | {ratio(cost['merged'])} | - |",
+        f"| the best merged body on dev ({costs['merged_rule']}, unmerged) | "
+        + " | ".join(f"{ratio(c['merged'])} | -" for c in sizes)
+        + " |",
         "",
         "## Task-vector norms (L2) per task and layer type",
         "",
@@ -872,17 +931,20 @@ def summary_markdown(results: dict, names: list[str]) -> str:
         values = [merge["norms"][n][kind] for n in names]
         spread = max(values) / min(values) if min(values) > 0 else float("inf")
         lines.append(f"| {kind} | " + " | ".join(f"{v:.4g}" for v in values) + f" | {spread:.2f} |")
+    sizes = [k for k in individual[names[0]] if k.startswith("learned_")]
     lines += [
         "",
         "## Per task: the fine-tune and its regions (test accuracy %)",
         "",
-        "| task | fine-tune | L&S region (entries) | disjoint L&S region (entries) | MaskTrainer region (entries) |",
-        "|---|---|---|---|---|",
+        "| task | fine-tune | L&S region (entries) | disjoint L&S region (entries) | MaskTrainer region (entries) | "
+        + "".join(f"MaskTrainer, {size_of(k):g}% (entries) | " for k in sizes),
+        "|---" * (5 + len(sizes)) + "|",
     ]
     for n in names:
         one = individual[n]
         lines.append(f"| {n} | {one['finetune']['test']['accuracy']:.1f} | "
-                     + " | ".join(f"{one[k]['test']['accuracy']:.1f} ({one[k]['entries']:,})" for k in REGION_KINDS)
+                     + " | ".join(f"{one[k]['test']['accuracy']:.1f} ({one[k]['entries']:,})"
+                                  for k in (*REGION_KINDS, *sizes))
                      + " |")  # fmt: skip
     lines += ["", "## Regions: overlap |g_i & g_j| / |g_j| and where the shared entries lie", ""]
     for kind, view in merge["regions"].items():
@@ -922,8 +984,8 @@ def save_figures(results: dict, report_dir: Path) -> None:
     ax = figure.add_subplot()
     markers = itertools.cycle("oPsD^vX*<>ph")
     rows = {**{PRETTY[r]: row for r, row in merge["test"].items()},
-            "served full grafts": merge["serving"]["full"], "served L&S grafts": merge["serving"]["ls"],
-            "served MaskTrainer grafts": merge["serving"]["learned"]}  # fmt: skip
+            **{title.replace("each task's ", "").removesuffix(", mixed batches"): merge["serving"][kind]
+               for kind, title in served_titles(merge["serving"]).items()}}  # fmt: skip
     for title, row in rows.items():
         x = max(100 * row["entries"] / merge["num_params"], 1e-4)
         y = normalized_accuracy(row, results["individual"], names)

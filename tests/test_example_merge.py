@@ -142,11 +142,20 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
         assert served["learned"][task]["accuracy"] == results["individual"][task]["learned"]["test"]["accuracy"]
         assert served["learned"][task]["ece"] >= 0
     assert 0 < served["learned"]["bytes"] < served["full"]["bytes"]
-    cost = served["forward_cost"]
-    for kind in ("full", "ls", "learned"):
-        for mode in ("exact", "sparse_delta"):
-            assert cost[f"{kind} {mode}"]["median"] > 0
-    assert cost["merged"]["median"] > 0 and cost["merged_rule"] in RULES
+    for kind, fraction in (("learned_0p001", 0.001), ("learned_0p003", 0.003)):  # --served_fractions: served only
+        wanted = max(1, round(fraction * merge["num_params"]))
+        assert all(results["individual"][t][kind]["entries"] == wanted for t in run_merge.TASKS)
+        assert served[kind]["entries"] == 4 * wanted and served[kind]["bytes"] < served["learned"]["bytes"]
+        assert all(served[kind][t]["accuracy"] == results["individual"][t][kind]["test"]["accuracy"]
+                   for t in run_merge.TASKS)  # fmt: skip
+    costs = served["forward_cost"]
+    assert costs["merged_rule"] in RULES and set(costs) == {"merged_rule", "32", "256"}  # --cost_batches
+    assert (costs["32"]["batch"], costs["256"]["batch"]) == (32, 96)  # 256 asked, the 96 test examples there are
+    for cost in (costs["32"], costs["256"]):
+        for kind in ("full", "ls", "learned", "learned_0p001", "learned_0p003"):
+            for mode in ("exact", "sparse_delta"):
+                assert cost[f"{kind} {mode}"]["median"] > 0
+        assert cost["merged"]["median"] > 0 and cost["tokens"] > 0
     norms = merge["norms"]
     assert set(norms) == set(run_merge.TASKS) and all(n["total"] > 0 for n in norms.values())
     assert all(".encoder.layer." in kind or kind == "total" for kind in norms["mr"])
@@ -155,6 +164,7 @@ def test_run_merge_tunes_on_dev_serves_and_reports(smoke):
     summary = (root / "report" / "summary.md").read_text()
     assert "avg normalized acc" in summary and "served: each task's full graft" in summary and "Dev grid" in summary
     assert "sparse_delta" in summary and "Task-vector norms" in summary and "RegMean" in summary
+    assert "MaskTrainer graft of 0.1% of the parameters" in summary and "MaskTrainer, 0.3% (entries)" in summary
     kinds = [stack[0].split("_", 1)[1] for stack in STACKS_BUILT]  # adapters "<task>_<kind>"
     assert sorted(kinds) == ["disjoint", "full", "learned", "ls"]  # each kind's task vectors stacked once
     again = run_merge.main(argv)  # everything saved: the same numbers, nothing recomputed
