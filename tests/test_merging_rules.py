@@ -428,3 +428,15 @@ def test_a_head_of_another_shape_names_the_head_and_both_shapes(pre, saved):  # 
     with pytest.raises(ValueError, match=r"head tensor 'classifier.weight' of task 'b' has shape \(5, 32\), the merged "
                                          r"adapter's has \(3, 32\)"):  # fmt: skip
         MergedGraft.from_pretrained(clone_model(pre), one)
+
+
+@pytest.mark.parametrize("density", [0.005, 0.1, 0.5, 0.9])  # topk's partial-sort branch (k * 64 <= n) and its other
+def test_top_magnitude_keeps_peft_s_entries_among_ties(density):
+    """The trim's mask (topk unsorted) is peft's magnitude pruning's (topk sorted), also where many magnitudes tie."""
+    generator = torch.Generator().manual_seed(0)
+    levels = torch.tensor([0.5, 1.0, 2.0, 3.0])  # 4 magnitudes over 10,000 entries: ties at every threshold
+    tau = levels[torch.randint(4, (10_000,), generator=generator)] * (
+        torch.randint(2, (10_000,), generator=generator) * 2 - 1
+    )
+    expected = merge_utils.magnitude_based_pruning(tau, density) != 0
+    assert torch.equal(merge_rules.top_magnitude(tau, density), expected)
