@@ -429,7 +429,8 @@ class TaskVectorStack:
     ``density`` and elected signs, DARE's drops, Consensus's masks: :func:`~peft_graft.merge_rules.trim`), for the
     last :attr:`TRIMS_KEPT` settings of density, seed and masks: a grid over the weights at one density trims once.
     Memory: the stacked values, theta_ft where stored exactly and, once a global rule asked for them, the values with
-    0 for NaN take 4 bytes each per stacked value (``num_grafts x`` the union of entries); each kept trim 2 more.
+    0 for NaN take 4 bytes each per stacked value (``num_grafts x`` the union of entries); each kept trim 2 more;
+    the columns where a graft stores theta_ft exactly, once a merge asked for them, 8 more per graft each.
 
     It records a checksum of each graft's entries per layer and of the base model's values at their union, and every
     merge given the stack compares them again (a write through ``.data`` moves no version counter): a stack whose
@@ -469,6 +470,7 @@ class TaskVectorStack:
         self._flat: torch.Tensor | None = None
         self._taus: torch.Tensor | None = None
         self._trims: OrderedDict[tuple, tuple] = OrderedDict()
+        self._exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def modules(self) -> list[str]:
@@ -492,6 +494,16 @@ class TaskVectorStack:
         if self._taus is None:
             self._taus = torch.nan_to_num(self.flat, nan=0.0)
         return self._taus
+
+    def exact_columns(self, module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``module``'s stacked columns where some graft stores theta_ft exactly, and the stacked values and theta_ft
+        there, ``(columns, (num_grafts, c), (num_grafts, c))``: the only columns whose merged entry can be stored
+        exactly (:func:`~peft_graft.tuner.model._exact_after_combining` picks no other), found once per stack."""
+        if module not in self._exact:
+            _, rows, exact = self.layers[module]
+            columns = (~torch.isnan(exact)).any(0).nonzero().squeeze(1)
+            self._exact[module] = (columns, rows[:, columns], exact[:, columns])
+        return self._exact[module]
 
     def trimmed(self, rule: str, options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """:func:`~peft_graft.merge_rules.trim` of the task vectors for ``rule`` and its checked ``options``."""
@@ -655,11 +667,14 @@ def _merged_entries(tuner: GraftModel, stack: TaskVectorStack, rule: str, option
         keep = keep & (values != 0)
     out = {}
     for module, part_values, part_keep in zip(modules, values.split(sizes), keep.split(sizes), strict=True):
-        indices, rows, exact = stacked[module]
-        unreachable = _exact_after_combining(rows[:, part_keep], exact[:, part_keep], part_values[part_keep],
-                                             indices[part_keep])  # fmt: skip
-        if part_keep.any():
-            out[module] = (indices[part_keep], part_values[part_keep].float(), unreachable)
+        where = part_keep.nonzero().squeeze(1)  # once: each boolean index of part_keep would find them again
+        if where.numel():
+            indices = stacked[module][0]
+            columns, rows, exact = stack.exact_columns(module)  # the only columns it can pick
+            picked = part_keep[columns]
+            unreachable = _exact_after_combining(rows[:, picked], exact[:, picked], part_values[columns][picked],
+                                                 indices[columns][picked])  # fmt: skip
+            out[module] = (indices[where], part_values[where].float(), unreachable)
     if not out:
         raise ValueError(f"rule {rule!r} with {options} changes no entry: raise density or the weights.")
     return out

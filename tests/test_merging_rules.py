@@ -10,18 +10,19 @@ import shutil
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
 from peft.utils import merge_utils
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_merging import TASKS, folders, loaded, pre, state, task_vectors  # noqa: F401  (fixtures)
-from testing_utils import clone_model, input_ids
+from testing_utils import clone_model, finetune_like, input_ids
 
-from peft_graft import Region, merge_rules, merging
+from peft_graft import GraftConfig, Region, merge_rules, merging
 from peft_graft.input_statistics import input_grams, linear_layers
 from peft_graft.merge_rules import block_index, layer_type, lines_scales, reduce_off_diagonal, wudi_closed_form
 from peft_graft.merging import HEADS_FILE, MergedGraft, TaskVectorStack, merge_grafts, task_vector_norms
-from peft_graft.parameter_layout import build_layout
+from peft_graft.parameter_layout import build_layout, exact_positions
+from peft_graft.tuner.model import _exact_after_combining
 
 
 def per_tensor(model: PeftModel, adapters: list[str]) -> dict[str, torch.Tensor]:
@@ -440,3 +441,60 @@ def test_top_magnitude_keeps_peft_s_entries_among_ties(density):
     )
     expected = merge_utils.magnitude_based_pruning(tau, density) != 0
     assert torch.equal(merge_rules.top_magnitude(tau, density), expected)
+
+
+@pytest.fixture(scope="module")
+def exact_grafts(pre):  # noqa: F811
+    """Three overlapping sparse grafts of ``pre`` with entries stored exactly: a quarter of each fine-tune's weights
+    shrunk to 1e-3 theta_pre, which no fp32 delta reaches."""
+    model = None
+    for seed, task in enumerate(TASKS, 1):
+        finetuned = finetune_like(pre, scale=0.01 * seed, seed=seed)
+        with torch.no_grad():
+            for name, param in finetuned.named_parameters():
+                if name.endswith("weight") and param.dim() == 2:
+                    param.view(-1)[seed::4] = pre.get_parameter(name).view(-1)[seed::4] * 1e-3
+        config = GraftConfig(finetuned=finetuned, sparsity=0.5, region="random", seed=seed,
+                             modules_to_save=["classifier"], task_type="SEQ_CLS")  # fmt: skip
+        if model is None:
+            model = get_peft_model(clone_model(pre), config, adapter_name=task)
+        else:
+            model.add_adapter(task, config)
+    return model
+
+
+@pytest.mark.parametrize(("rule", "options"), [("ties", dict(weights=1.0, density=0.6)), ("stitch", {}),
+                                               ("task_arithmetic", dict(weights=1.0))])  # fmt: skip
+def test_a_stack_s_exact_columns_store_what_the_search_over_every_merged_entry_does(exact_grafts, rule, options):
+    """A merge looks for the entries to store exactly only among the columns where a graft stores theta_ft exactly,
+    found once per stack: the merged adapter's exact entries are those of the search over all its entries, bit for bit;
+    a graft whose exact entries changed refuses the stack, and a new stack finds the new columns."""
+    model, names = exact_grafts, list(TASKS)
+    stack = TaskVectorStack(model, names)
+    stored = 0
+    for adapter in ("m", "again"):  # the second merge reuses the columns found by the first
+        merge_grafts(model, names, rule, adapter, stack=stack, **options)
+        for module, layer in model.base_model.graft_layers().items():
+            indices, values = layer.entries(adapter)
+            union, rows, exact = stack.layers[module]
+            columns = torch.searchsorted(union, indices.long())
+            expected = exact_positions(indices, _exact_after_combining(rows[:, columns], exact[:, columns], values,
+                                                                       indices.long()))  # fmt: skip
+            positions, targets = layer.exact_entries(adapter)
+            assert torch.equal(positions.long(), expected[0]) and torch.equal(targets, expected[1]), module
+            stored += positions.numel()
+        assert all(stack.exact_columns(module) is found for module, found in stack._exact.items())
+        model.delete_adapter(adapter)
+    assert stored > 0  # the premise: some merged entries are stored exactly
+    module, layer = next((m, layer) for m, layer in model.base_model.graft_layers().items()
+                         if layer.exact_entries("b")[0].numel())  # fmt: skip
+    before = stack.exact_columns(module)[0]
+    indices, values = (t.clone() for t in layer.entries("b"))
+    positions, targets = (t.clone() for t in layer.exact_entries("b"))
+    layer.set_region("b", indices, values)  # b's exact entries dropped here
+    try:
+        with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed"):
+            merge_grafts(model, names, rule, "after", stack=stack, **options)
+        assert not torch.equal(TaskVectorStack(model, names).exact_columns(module)[0], before)
+    finally:
+        layer.set_region("b", indices, values, (indices[positions.long()], targets))
