@@ -37,7 +37,7 @@ import copy
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -341,7 +341,7 @@ def merge_grafts(
         else:
             stack.check(model, names, exclude)
         merged = _merged_entries(tuner, stack, rule, options, grams)
-        _check_finite(tuner, merged, rule, options)
+        _check_finite(tuner, merged, rule, options, None if rule in TENSOR_RULES else stack.base_bounds)
         heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
                  for task, name in names.items()}  # fmt: skip
         _add_merged_adapter(tuner, list(names.values()), adapter_name, merged, rule)
@@ -471,6 +471,7 @@ class TaskVectorStack:
         self._taus: torch.Tensor | None = None
         self._trims: OrderedDict[tuple, tuple] = OrderedDict()
         self._exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._bounds: dict[str, dict[str, float]] = {}
 
     @property
     def modules(self) -> list[str]:
@@ -494,6 +495,17 @@ class TaskVectorStack:
         if self._taus is None:
             self._taus = torch.nan_to_num(self.flat, nan=0.0)
         return self._taus
+
+    def base_bounds(self, module: str) -> dict[str, float]:
+        """Per stored tensor of ``module``: the largest ``|theta_pre|`` (as fp32, as ``GraftLayer.base_values`` reads
+        it) at the stacked entries, found once per stack; every merge's :meth:`check` has compared the base values
+        there with the stack's checksum of them before a merge uses it (:func:`_check_finite`)."""
+        if module not in self._bounds:
+            layer, indices = self.model.base_model.model.get_submodule(module), self.layers[module][0]
+            values = layer.base_values(indices).abs()
+            self._bounds[module] = {attr: float(values[position].max()) for attr, _, position in
+                                    layer.space.split(indices)}  # fmt: skip
+        return self._bounds[module]
 
     def exact_columns(self, module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``module``'s stacked columns where some graft stores theta_ft exactly, and the stacked values and theta_ft
@@ -796,17 +808,28 @@ def _consensus_options(rule: str, count: int, consensus_k: object, tall_lambda: 
     return {"consensus_k": consensus_k, "tall_lambda": float(tall_lambda)}
 
 
-def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> None:
+def _check_finite(
+    tuner: GraftModel, merged: dict, rule: str, options: dict, bounds: Callable[[str], dict] | None = None
+) -> None:
     """Refuse a merge whose merged parameters are not finite in the model's dtype (an fp16 model holds up to 65,504),
     or so large that the sum of their squares overflows float32 (a norm or dot product of them would: the merged
-    model's outputs would be inf or NaN)."""
+    model's outputs would be inf or NaN).
+
+    ``bounds``: module -> stored tensor -> the largest ``|theta_pre|`` at any merged entry (a stack's
+    :meth:`TaskVectorStack.base_bounds`). A tensor whose merged parameters that bound and the largest merged value show
+    to pass is not read entry by entry (:func:`_within`); any other is."""
     limit = torch.finfo(torch.float32).max
     for module, (indices, values, _) in merged.items():
         layer = tuner.model.get_submodule(module)
-        theta = layer.base_values(indices).double() + values.double()
+        known, theta = None if bounds is None else bounds(module), None
         for attr, _, position in layer.space.split(indices):
-            part, dtype = theta[position], getattr(layer.base_layer, attr).dtype
+            dtype = getattr(layer.base_layer, attr).dtype
             dtype = dtype if torch.finfo(dtype).max < limit else torch.float32  # the narrower of the two
+            if known is not None and _within(known[attr], values[position], dtype, limit):
+                continue
+            if theta is None:
+                theta = layer.base_values(indices).double() + values.double()
+            part = theta[position]
             if not torch.isfinite(part.to(dtype)).all() or part.square().sum() > limit:
                 fix = "use smaller weights (peft's default is 1.0)" if options["weights"] else "a graft is corrupt"
                 raise ValueError(
@@ -814,6 +837,15 @@ def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> 
                     f"{part.abs().max().item():.3g} (checked in {dtype}, which holds up to "
                     f"{torch.finfo(dtype).max:.3g}): the merged model's outputs would be inf or NaN; {fix}."
                 )
+
+
+def _within(base_bound: float, values: torch.Tensor, dtype: torch.dtype, limit: float) -> bool:
+    """Whether merged parameters ``theta_pre + values`` (summed in float64, as :func:`_check_finite` does) with
+    ``|theta_pre| <= base_bound`` surely pass its checks: each is at most ``m = base_bound + max|values|`` (float64
+    rounding is monotone), which ``dtype`` holds, and the float64 sum of their squares is at most ``n m^2`` times
+    ``(1 + 2^-53)^n``, under half of ``limit`` here. NaN or inf anywhere answers False."""
+    largest = base_bound + float(values.abs().max())
+    return largest <= torch.finfo(dtype).max and largest * largest * values.numel() * 2 <= limit
 
 
 def _add_merged_adapter(tuner: GraftModel, names: list[str], adapter_name: str, merged: dict, rule: str) -> None:

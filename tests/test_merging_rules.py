@@ -22,6 +22,7 @@ from peft_graft.input_statistics import input_grams, linear_layers
 from peft_graft.merge_rules import block_index, layer_type, lines_scales, reduce_off_diagonal, wudi_closed_form
 from peft_graft.merging import HEADS_FILE, MergedGraft, TaskVectorStack, merge_grafts, task_vector_norms
 from peft_graft.parameter_layout import build_layout, exact_positions
+from peft_graft.tuner.layer import GraftLayer
 from peft_graft.tuner.model import _exact_after_combining
 
 
@@ -498,3 +499,42 @@ def test_a_stack_s_exact_columns_store_what_the_search_over_every_merged_entry_d
         assert not torch.equal(TaskVectorStack(model, names).exact_columns(module)[0], before)
     finally:
         layer.set_region("b", indices, values, (indices[positions.long()], targets))
+
+
+def test_a_stack_bounds_theta_pre_once_and_reads_the_base_only_where_the_bound_is_too_loose(pre, monkeypatch):  # noqa: F811
+    """A merge through a stack checks its merged parameters for overflow by the stack's bound on |theta_pre| per stored
+    tensor (found once) and its largest merged value; it reads the base entry by entry only where that bound cannot
+    show them finite, and then decides as before: grafts of a base holding 1e18 merge (theta up to 2e18: the sum of
+    squares fits float32), with weights of 20 the merged values' squares overflow float32 and are refused."""
+    big = clone_model(pre)
+    weight = big.bert.encoder.layer[0].attention.self.query.weight
+    with torch.no_grad():
+        weight.view(-1)[7] = 1e18
+    model = None
+    for seed, task in enumerate(("x", "y"), 1):
+        finetuned = finetune_like(big, scale=0.01, seed=seed)
+        with torch.no_grad():
+            finetuned.bert.encoder.layer[0].attention.self.query.weight.view(-1)[7] = 2e18  # moved by 1e18
+        config = GraftConfig(finetuned=finetuned, sparsity=1.0, modules_to_save=["classifier"], task_type="SEQ_CLS")
+        if model is None:
+            model = get_peft_model(clone_model(big), config, adapter_name=task)
+        else:
+            model.add_adapter(task, config)
+    reads = []
+    original = GraftLayer.base_values
+    monkeypatch.setattr(GraftLayer, "base_values", lambda self, idx: reads.append(idx.numel()) or original(self, idx))
+    stack = TaskVectorStack(model, ["x", "y"])
+    merge_grafts(model, ["x", "y"], "ties", "first", weights=1.0, density=0.5, stack=stack)
+    bounds = dict(stack._bounds)
+    assert bounds and all(stack.base_bounds(module) is found for module, found in bounds.items())
+    query = next(m for m in bounds if m.endswith("layer.0.attention.self.query"))
+    assert bounds[query]["weight"] == float(torch.tensor(1e18)) and all(
+        v < 10 for m, b in bounds.items() for v in b.values() if m != query
+    )
+    reads.clear()
+    merge_grafts(model, ["x", "y"], "ties", "again", weights=1.0, density=0.5, stack=stack)
+    assert [n for n in reads if n > 2] == [model.base_model.model.get_submodule(query).entries("again")[0].numel()]
+    assert torch.equal(*task_vectors(model, ["first", "again"]))
+    with pytest.raises(ValueError, match=r"gives merged values of .*query\.weight up to 2\.1e\+19 .*inf or NaN"):
+        merge_grafts(model, ["x", "y"], "ties", "huge", weights=20.0, density=0.5, stack=stack)
+    assert "huge" not in model.peft_config
