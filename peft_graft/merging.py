@@ -561,14 +561,16 @@ class TaskVectorStack:
 
 def _digest(tuner: GraftModel, module: str, name: str) -> str:
     """A checksum of one graft's entries in one layer (indices, fp32 values, exact entries), however they are held, and
-    of the theta_pre its config records there (the base is checked against it only when the stack is built)."""
+    of the theta_pre its config records there (the base is checked against it only when the stack is built). Indices
+    and positions are hashed in the dtype they are held in, without a copy: every way of holding them keeps the
+    layer's index dtype (packed, unpacked, loaded, set), and the same entries held in another would be refused as a
+    change, never missed."""
     layer = tuner.model.get_submodule(module)
     if layer.learner(name) is not None:
         return "learning"  # refused by the merge's checks anyway
     indices, values = layer.entries(name)
     positions, targets = layer.exact_entries(name)
-    parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
-             "targets": targets.float()}  # fmt: skip
+    parts = {"indices": indices, "values": values.float(), "positions": positions, "targets": targets.float()}
     recorded = {"base_checksum": str(tuner.peft_config[name].base_checksum.get(module))}
     return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, recorded)
 

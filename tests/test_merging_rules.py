@@ -271,6 +271,12 @@ def test_a_stack_sees_values_written_through_data(pre, folders):  # noqa: F811
     assert layer.graft_values["b"]._version == version
     with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
         merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+    layer.graft_values["b"].data.div_(2.0)
+    merge_grafts(model, list(TASKS), "stitch", "restored", stack=stack)
+    indices = layer.graft_indices["b"]
+    indices.data[-1] += 1 if int(indices[-1]) + 1 < layer.num_stored else -1  # an index, in its own dtype
+    with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
+        merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
 
 
 def test_a_stack_sees_the_base_model_changed_at_the_grafts_entries(pre, folders):  # noqa: F811
