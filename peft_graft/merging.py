@@ -389,10 +389,10 @@ def _check_options(rule, count, weights, density, majority_sign_method, seed) ->
     return {"weights": weights, "density": density, "majority_sign_method": majority_sign_method, "seed": seed}
 
 
-def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -> None:
+def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -> dict[str, tuple[torch.Tensor, str]]:
     """Same layout (heads), hard regions, nothing merged and (with ``base``) recorded theta_pre equal to the model's
-    base values."""
-    layers = tuner.graft_layers()
+    base values. Returns the last base checksum computed per layer, with its indices (:func:`_base_checksum`)."""
+    layers, checked = tuner.graft_layers(), {}
     if any(layer.merged for layer in layers.values()):
         raise ValueError("The model has merged adapters: unmerge_adapter() before merging grafts.")
     first_task, first = next(iter(names.items()))
@@ -411,12 +411,22 @@ def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -
         for module, layer in layers.items() if base else ():
             indices, _ = layer.entries(name)
             recorded = config.base_checksum.get(module)
-            if indices.numel() and recorded and layer.base_checksum(indices) != recorded:
+            if indices.numel() and recorded and _base_checksum(layer, module, indices, checked) != recorded:
                 raise ValueError(
                     f"Graft {name!r} (task {task!r}) was made from a different base model: its recorded checksum of "
                     f"theta_pre at its entries of {module!r} differs from this model's values. Merge only grafts of "
                     "one pre-trained model."
                 )
+    return checked
+
+
+def _base_checksum(layer: GraftLayer, module: str, indices: torch.Tensor, checked: dict) -> str:
+    """``layer.base_checksum(indices)``, read again only for other indices than the last computed for ``module`` (in
+    ``checked``): full grafts hold the same entries, and their union is them too."""
+    last = checked.get(module)
+    if last is None or last[0].numel() != indices.numel() or not torch.equal(last[0], indices):
+        checked[module] = (indices, layer.base_checksum(indices))
+    return checked[module][1]
 
 
 # ---------------------------------------------------------------------------------------------------- merging
@@ -457,16 +467,16 @@ class TaskVectorStack:
             raise ValueError(f"A TaskVectorStack is built from loaded adapters; {missing} are not loaded in the model.")
         if exclude is not None and not isinstance(exclude, Region):
             raise TypeError(f"exclude must be a Region, got {type(exclude).__name__}.")
-        _check_grafts(tuner, self.names)
+        checked = _check_grafts(tuner, self.names)
         self.model, self.exclude, self._one_merge = model, exclude, _one_merge
         # what check() compares on every later merge; merge_grafts' own stack for one merge needs none of it
         layers = {} if _one_merge else tuner.graft_layers()
         self.digests = {(module, name): _digest(tuner, module, name) for module in layers
                         for name in self.names.values()}  # fmt: skip
         unions = {module: _union(layer, list(self.names.values())) for module, layer in layers.items()}
-        self.bases = {module: (indices, tuner.model.get_submodule(module).base_checksum(indices))
+        self.bases = {module: (indices, _base_checksum(layers[module], module, indices, checked))
                       for module, indices in unions.items() if indices.numel()}  # fmt: skip
-        self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
+        self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude, unions)
         self._flat: torch.Tensor | None = None
         self._taus: torch.Tensor | None = None
         self._trims: OrderedDict[tuple, tuple] = OrderedDict()
@@ -618,14 +628,15 @@ def task_vector_norms(
             for row, task in enumerate(stack.names)}  # fmt: skip
 
 
-def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region | None):
-    """Per graft layer: the union of the grafts' flat indices, their values stacked ``(num_grafts, n)`` (NaN where a
-    graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere)."""
+def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region | None, unions: dict | None = None):
+    """Per graft layer: the union of the grafts' flat indices (``unions``' where given), their values stacked
+    ``(num_grafts, n)`` (NaN where a graft has no entry) and theta_ft where a graft stores it exactly (NaN
+    elsewhere)."""
     layout = build_layout(tuner.model) if exclude is not None else None
     out = {}
     for module, layer in tuner.graft_layers().items():
-        entries = [(idx.to(torch.int64).cpu(), val) for idx, val in (layer.entries(name) for name in names)]
-        indices = _union(layer, names)  # and each graft's columns by a lookup below
+        entries = [layer.entries(name) for name in names]
+        indices = unions[module] if unions else _union(layer, names)  # and each graft's columns by a lookup below
         if exclude is not None and indices.numel():
             keep = torch.ones(indices.numel(), dtype=torch.bool)
             for attr, local, position in layer.space.split(indices):
@@ -635,17 +646,23 @@ def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region |
             indices = indices[keep]
         if indices.numel() == 0:
             continue
-        small = torch.int32 if layer.num_stored < 2**31 else torch.int64  # int32: half the map's memory
-        column_of = torch.full((layer.num_stored,), -1, dtype=small)
-        column_of[indices] = torch.arange(indices.numel(), dtype=small)
         stacked = torch.full((len(names), indices.numel()), torch.nan)
         exact = torch.full_like(stacked, torch.nan)
+        column_of = None
         for row, (idx, val) in enumerate(entries):
-            columns = column_of[idx].to(torch.int64)
-            found = columns >= 0
-            stacked[row, columns[found]] = val.detach().float().cpu()[found]
             positions, targets = layer.exact_entries(names[row])
             positions = positions.to(torch.int64).cpu()
+            if exclude is None and idx.numel() == indices.numel():  # the union itself (a full graft): entry i, column i
+                stacked[row] = val.detach().float().cpu()
+                exact[row, positions] = targets.float().cpu()
+                continue
+            if column_of is None:
+                small = torch.int32 if layer.num_stored < 2**31 else torch.int64  # int32: half the map's memory
+                column_of = torch.full((layer.num_stored,), -1, dtype=small)
+                column_of[indices] = torch.arange(indices.numel(), dtype=small)
+            columns = column_of[idx.to(torch.int64).cpu()].to(torch.int64)
+            found = columns >= 0
+            stacked[row, columns[found]] = val.detach().float().cpu()[found]
             kept = found[positions]
             exact[row, columns[positions[kept]]] = targets.float().cpu()[kept]
         out[module] = (indices, stacked, exact)

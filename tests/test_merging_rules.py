@@ -450,10 +450,10 @@ def test_top_magnitude_keeps_peft_s_entries_among_ties(density):
     assert torch.equal(merge_rules.top_magnitude(tau, density), expected)
 
 
-@pytest.fixture(scope="module")
-def exact_grafts(pre):  # noqa: F811
-    """Three overlapping sparse grafts of ``pre`` with entries stored exactly: a quarter of each fine-tune's weights
-    shrunk to 1e-3 theta_pre, which no fp32 delta reaches."""
+@pytest.fixture(scope="module", params=[0.5, 1.0], ids=["sparse", "full"])
+def exact_grafts(pre, request):  # noqa: F811
+    """Three grafts of ``pre`` (overlapping sparse ones, or full ones) with entries stored exactly: a quarter of each
+    fine-tune's weights shrunk to 1e-3 theta_pre, which no fp32 delta reaches."""
     model = None
     for seed, task in enumerate(TASKS, 1):
         finetuned = finetune_like(pre, scale=0.01 * seed, seed=seed)
@@ -461,8 +461,10 @@ def exact_grafts(pre):  # noqa: F811
             for name, param in finetuned.named_parameters():
                 if name.endswith("weight") and param.dim() == 2:
                     param.view(-1)[seed::4] = pre.get_parameter(name).view(-1)[seed::4] * 1e-3
-        config = GraftConfig(finetuned=finetuned, sparsity=0.5, region="random", seed=seed,
-                             modules_to_save=["classifier"], task_type="SEQ_CLS")  # fmt: skip
+        region = (
+            dict(sparsity=1.0) if request.param == 1.0 else dict(sparsity=request.param, region="random", seed=seed)
+        )
+        config = GraftConfig(finetuned=finetuned, modules_to_save=["classifier"], task_type="SEQ_CLS", **region)
         if model is None:
             model = get_peft_model(clone_model(pre), config, adapter_name=task)
         else:
@@ -492,7 +494,8 @@ def test_a_stack_s_exact_columns_store_what_the_search_over_every_merged_entry_d
             stored += positions.numel()
         assert all(stack.exact_columns(module) is found for module, found in stack._exact.items())
         model.delete_adapter(adapter)
-    assert stored > 0  # the premise: some merged entries are stored exactly
+    full = stack.layers[module][1].isnan().sum() == 0  # then only TIES keeps one graft's delta at a column
+    assert stored > 0 or (full and rule != "ties")  # the premise: some merged entries are stored exactly
     module, layer = next((m, layer) for m, layer in model.base_model.graft_layers().items()
                          if layer.exact_entries("b")[0].numel())  # fmt: skip
     before = stack.exact_columns(module)[0]
@@ -544,3 +547,44 @@ def test_a_stack_bounds_theta_pre_once_and_reads_the_base_only_where_the_bound_i
     with pytest.raises(ValueError, match=r"gives merged values of .*query\.weight up to 2\.1e\+19 .*inf or NaN"):
         merge_grafts(model, ["x", "y"], "ties", "huge", weights=20.0, density=0.5, stack=stack)
     assert "huge" not in model.peft_config
+
+
+def test_a_stack_holds_each_graft_s_values_and_theta_ft_at_its_columns(exact_grafts):
+    """The stacked task vectors, checked against each graft's own entries: its values and exact theta_ft at the union's
+    columns of its indices, NaN elsewhere (a full graft's row is its entries as they are)."""
+    model = exact_grafts
+    stack = TaskVectorStack(model, list(TASKS))
+    for module, (union, rows, exact) in stack.layers.items():
+        layer = model.base_model.model.get_submodule(module)
+        for row, task in enumerate(TASKS):
+            indices, values = layer.entries(task)
+            positions, targets = layer.exact_entries(task)
+            expected = torch.full((union.numel(),), torch.nan)
+            expected[torch.searchsorted(union, indices.long())] = values.detach()
+            assert torch.equal(rows[row].nan_to_num(7.0), expected.nan_to_num(7.0)), (module, task)
+            expected = torch.full((union.numel(),), torch.nan)
+            expected[torch.searchsorted(union, indices.long()[positions.long()])] = targets
+            assert torch.equal(exact[row].nan_to_num(7.0), expected.nan_to_num(7.0)), (module, task)
+
+
+def test_full_grafts_check_the_base_once_per_layer_against_each_record(exact_grafts, monkeypatch):
+    """Grafts holding the same entries of a layer (full grafts) and their union read the base there once; each graft's
+    recorded checksum is still compared with it: one recording another theta_pre is refused, naming it."""
+    model = exact_grafts
+    calls = []
+    original = GraftLayer.base_checksum
+    monkeypatch.setattr(GraftLayer, "base_checksum", lambda self, idx: calls.append(self) or original(self, idx))
+    TaskVectorStack(model, list(TASKS))
+    layers = model.base_model.graft_layers()
+    full = all(layer.entries(t)[0].numel() == layer.entries(TASKS[0])[0].numel() for layer in layers.values()
+               for t in TASKS)  # fmt: skip
+    assert full == (exact_grafts.peft_config["a"].region_provenance["strategy"] != "random")
+    assert len(calls) == (len(layers) if full else len(layers) * (len(TASKS) + 1))
+    module = next(iter(model.peft_config["c"].base_checksum))
+    recorded = model.peft_config["c"].base_checksum[module]
+    model.peft_config["c"].base_checksum[module] = "0" * 16  # recorded from another base model
+    try:
+        with pytest.raises(ValueError, match=rf"Graft 'c' \(task 'c'\) was made from a different base .*'{module}'"):
+            TaskVectorStack(model, list(TASKS))
+    finally:
+        model.peft_config["c"].base_checksum[module] = recorded
