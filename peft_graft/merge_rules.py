@@ -37,11 +37,12 @@ CONSENSUS_RULES = ("consensus_ta", "consensus_ties")
 
 
 def top_magnitude(tau: torch.Tensor, density: float) -> torch.Tensor:
-    """The entries peft's magnitude pruning keeps (its top ``int(density * n)`` of ``|tau|``), as a mask."""
+    """The entries peft's magnitude pruning keeps (its top ``int(density * n)`` of ``|tau|``), as a mask. ``topk``
+    unsorted: it selects the same entries (ties included) and only skips ordering them, which a mask does not use."""
     mask = torch.zeros(tau.numel(), dtype=torch.bool)
     if density >= 1:
         return mask | True
-    mask[torch.topk(tau.abs(), k=int(density * tau.numel())).indices] = True
+    mask[torch.topk(tau.abs(), k=int(density * tau.numel()), sorted=False).indices] = True
     return mask
 
 

@@ -37,7 +37,7 @@ import copy
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -341,7 +341,7 @@ def merge_grafts(
         else:
             stack.check(model, names, exclude)
         merged = _merged_entries(tuner, stack, rule, options, grams)
-        _check_finite(tuner, merged, rule, options)
+        _check_finite(tuner, merged, rule, options, None if rule in TENSOR_RULES else stack.base_bounds)
         heads = {task: {n: t.detach().clone() for n, t in _head_copies(model, name).items()}
                  for task, name in names.items()}  # fmt: skip
         _add_merged_adapter(tuner, list(names.values()), adapter_name, merged, rule)
@@ -389,10 +389,10 @@ def _check_options(rule, count, weights, density, majority_sign_method, seed) ->
     return {"weights": weights, "density": density, "majority_sign_method": majority_sign_method, "seed": seed}
 
 
-def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -> None:
+def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -> dict[str, tuple[torch.Tensor, str]]:
     """Same layout (heads), hard regions, nothing merged and (with ``base``) recorded theta_pre equal to the model's
-    base values."""
-    layers = tuner.graft_layers()
+    base values. Returns the last base checksum computed per layer, with its indices (:func:`_base_checksum`)."""
+    layers, checked = tuner.graft_layers(), {}
     if any(layer.merged for layer in layers.values()):
         raise ValueError("The model has merged adapters: unmerge_adapter() before merging grafts.")
     first_task, first = next(iter(names.items()))
@@ -411,12 +411,22 @@ def _check_grafts(tuner: GraftModel, names: dict[str, str], base: bool = True) -
         for module, layer in layers.items() if base else ():
             indices, _ = layer.entries(name)
             recorded = config.base_checksum.get(module)
-            if indices.numel() and recorded and layer.base_checksum(indices) != recorded:
+            if indices.numel() and recorded and _base_checksum(layer, module, indices, checked) != recorded:
                 raise ValueError(
                     f"Graft {name!r} (task {task!r}) was made from a different base model: its recorded checksum of "
                     f"theta_pre at its entries of {module!r} differs from this model's values. Merge only grafts of "
                     "one pre-trained model."
                 )
+    return checked
+
+
+def _base_checksum(layer: GraftLayer, module: str, indices: torch.Tensor, checked: dict) -> str:
+    """``layer.base_checksum(indices)``, read again only for other indices than the last computed for ``module`` (in
+    ``checked``): full grafts hold the same entries, and their union is them too."""
+    last = checked.get(module)
+    if last is None or last[0].numel() != indices.numel() or not torch.equal(last[0], indices):
+        checked[module] = (indices, layer.base_checksum(indices))
+    return checked[module][1]
 
 
 # ---------------------------------------------------------------------------------------------------- merging
@@ -429,7 +439,8 @@ class TaskVectorStack:
     ``density`` and elected signs, DARE's drops, Consensus's masks: :func:`~peft_graft.merge_rules.trim`), for the
     last :attr:`TRIMS_KEPT` settings of density, seed and masks: a grid over the weights at one density trims once.
     Memory: the stacked values, theta_ft where stored exactly and, once a global rule asked for them, the values with
-    0 for NaN take 4 bytes each per stacked value (``num_grafts x`` the union of entries); each kept trim 2 more.
+    0 for NaN take 4 bytes each per stacked value (``num_grafts x`` the union of entries); each kept trim 2 more;
+    the columns where a graft stores theta_ft exactly, once a merge asked for them, 8 more per graft each.
 
     It records a checksum of each graft's entries per layer and of the base model's values at their union, and every
     merge given the stack compares them again (a write through ``.data`` moves no version counter): a stack whose
@@ -456,19 +467,21 @@ class TaskVectorStack:
             raise ValueError(f"A TaskVectorStack is built from loaded adapters; {missing} are not loaded in the model.")
         if exclude is not None and not isinstance(exclude, Region):
             raise TypeError(f"exclude must be a Region, got {type(exclude).__name__}.")
-        _check_grafts(tuner, self.names)
+        checked = _check_grafts(tuner, self.names)
         self.model, self.exclude, self._one_merge = model, exclude, _one_merge
         # what check() compares on every later merge; merge_grafts' own stack for one merge needs none of it
         layers = {} if _one_merge else tuner.graft_layers()
         self.digests = {(module, name): _digest(tuner, module, name) for module in layers
                         for name in self.names.values()}  # fmt: skip
         unions = {module: _union(layer, list(self.names.values())) for module, layer in layers.items()}
-        self.bases = {module: (indices, tuner.model.get_submodule(module).base_checksum(indices))
+        self.bases = {module: (indices, _base_checksum(layers[module], module, indices, checked))
                       for module, indices in unions.items() if indices.numel()}  # fmt: skip
-        self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude)
+        self.layers = _stacked_task_vectors(tuner, list(self.names.values()), exclude, unions)
         self._flat: torch.Tensor | None = None
         self._taus: torch.Tensor | None = None
         self._trims: OrderedDict[tuple, tuple] = OrderedDict()
+        self._exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._bounds: dict[str, dict[str, float]] = {}
 
     @property
     def modules(self) -> list[str]:
@@ -492,6 +505,27 @@ class TaskVectorStack:
         if self._taus is None:
             self._taus = torch.nan_to_num(self.flat, nan=0.0)
         return self._taus
+
+    def base_bounds(self, module: str) -> dict[str, float]:
+        """Per stored tensor of ``module``: the largest ``|theta_pre|`` (as fp32, as ``GraftLayer.base_values`` reads
+        it) at the stacked entries, found once per stack; every merge's :meth:`check` has compared the base values
+        there with the stack's checksum of them before a merge uses it (:func:`_check_finite`)."""
+        if module not in self._bounds:
+            layer, indices = self.model.base_model.model.get_submodule(module), self.layers[module][0]
+            values = layer.base_values(indices).abs()
+            self._bounds[module] = {attr: float(values[position].max()) for attr, _, position in
+                                    layer.space.split(indices)}  # fmt: skip
+        return self._bounds[module]
+
+    def exact_columns(self, module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``module``'s stacked columns where some graft stores theta_ft exactly, and the stacked values and theta_ft
+        there, ``(columns, (num_grafts, c), (num_grafts, c))``: the only columns whose merged entry can be stored
+        exactly (:func:`~peft_graft.tuner.model._exact_after_combining` picks no other), found once per stack."""
+        if module not in self._exact:
+            _, rows, exact = self.layers[module]
+            columns = (~torch.isnan(exact)).any(0).nonzero().squeeze(1)
+            self._exact[module] = (columns, rows[:, columns], exact[:, columns])
+        return self._exact[module]
 
     def trimmed(self, rule: str, options: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """:func:`~peft_graft.merge_rules.trim` of the task vectors for ``rule`` and its checked ``options``."""
@@ -537,14 +571,16 @@ class TaskVectorStack:
 
 def _digest(tuner: GraftModel, module: str, name: str) -> str:
     """A checksum of one graft's entries in one layer (indices, fp32 values, exact entries), however they are held, and
-    of the theta_pre its config records there (the base is checked against it only when the stack is built)."""
+    of the theta_pre its config records there (the base is checked against it only when the stack is built). Indices
+    and positions are hashed in the dtype they are held in, without a copy: every way of holding them keeps the
+    layer's index dtype (packed, unpacked, loaded, set), and the same entries held in another would be refused as a
+    change, never missed."""
     layer = tuner.model.get_submodule(module)
     if layer.learner(name) is not None:
         return "learning"  # refused by the merge's checks anyway
     indices, values = layer.entries(name)
     positions, targets = layer.exact_entries(name)
-    parts = {"indices": indices.to(torch.int64), "values": values.float(), "positions": positions.to(torch.int64),
-             "targets": targets.float()}  # fmt: skip
+    parts = {"indices": indices, "values": values.float(), "positions": positions, "targets": targets.float()}
     recorded = {"base_checksum": str(tuner.peft_config[name].base_checksum.get(module))}
     return state_checksum({k: v.detach().cpu().contiguous() for k, v in parts.items()}, recorded)
 
@@ -592,14 +628,15 @@ def task_vector_norms(
             for row, task in enumerate(stack.names)}  # fmt: skip
 
 
-def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region | None):
-    """Per graft layer: the union of the grafts' flat indices, their values stacked ``(num_grafts, n)`` (NaN where a
-    graft has no entry) and theta_ft where a graft stores it exactly (NaN elsewhere)."""
+def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region | None, unions: dict | None = None):
+    """Per graft layer: the union of the grafts' flat indices (``unions``' where given), their values stacked
+    ``(num_grafts, n)`` (NaN where a graft has no entry) and theta_ft where a graft stores it exactly (NaN
+    elsewhere)."""
     layout = build_layout(tuner.model) if exclude is not None else None
     out = {}
     for module, layer in tuner.graft_layers().items():
-        entries = [(idx.to(torch.int64).cpu(), val) for idx, val in (layer.entries(name) for name in names)]
-        indices = _union(layer, names)  # and each graft's columns by a lookup below
+        entries = [layer.entries(name) for name in names]
+        indices = unions[module] if unions else _union(layer, names)  # and each graft's columns by a lookup below
         if exclude is not None and indices.numel():
             keep = torch.ones(indices.numel(), dtype=torch.bool)
             for attr, local, position in layer.space.split(indices):
@@ -609,17 +646,23 @@ def _stacked_task_vectors(tuner: GraftModel, names: list[str], exclude: Region |
             indices = indices[keep]
         if indices.numel() == 0:
             continue
-        small = torch.int32 if layer.num_stored < 2**31 else torch.int64  # int32: half the map's memory
-        column_of = torch.full((layer.num_stored,), -1, dtype=small)
-        column_of[indices] = torch.arange(indices.numel(), dtype=small)
         stacked = torch.full((len(names), indices.numel()), torch.nan)
         exact = torch.full_like(stacked, torch.nan)
+        column_of = None
         for row, (idx, val) in enumerate(entries):
-            columns = column_of[idx].to(torch.int64)
-            found = columns >= 0
-            stacked[row, columns[found]] = val.detach().float().cpu()[found]
             positions, targets = layer.exact_entries(names[row])
             positions = positions.to(torch.int64).cpu()
+            if exclude is None and idx.numel() == indices.numel():  # the union itself (a full graft): entry i, column i
+                stacked[row] = val.detach().float().cpu()
+                exact[row, positions] = targets.float().cpu()
+                continue
+            if column_of is None:
+                small = torch.int32 if layer.num_stored < 2**31 else torch.int64  # int32: half the map's memory
+                column_of = torch.full((layer.num_stored,), -1, dtype=small)
+                column_of[indices] = torch.arange(indices.numel(), dtype=small)
+            columns = column_of[idx.to(torch.int64).cpu()].to(torch.int64)
+            found = columns >= 0
+            stacked[row, columns[found]] = val.detach().float().cpu()[found]
             kept = found[positions]
             exact[row, columns[positions[kept]]] = targets.float().cpu()[kept]
         out[module] = (indices, stacked, exact)
@@ -655,11 +698,14 @@ def _merged_entries(tuner: GraftModel, stack: TaskVectorStack, rule: str, option
         keep = keep & (values != 0)
     out = {}
     for module, part_values, part_keep in zip(modules, values.split(sizes), keep.split(sizes), strict=True):
-        indices, rows, exact = stacked[module]
-        unreachable = _exact_after_combining(rows[:, part_keep], exact[:, part_keep], part_values[part_keep],
-                                             indices[part_keep])  # fmt: skip
-        if part_keep.any():
-            out[module] = (indices[part_keep], part_values[part_keep].float(), unreachable)
+        where = part_keep.nonzero().squeeze(1)  # once: each boolean index of part_keep would find them again
+        if where.numel():
+            indices = stacked[module][0]
+            columns, rows, exact = stack.exact_columns(module)  # the only columns it can pick
+            picked = part_keep[columns]
+            unreachable = _exact_after_combining(rows[:, picked], exact[:, picked], part_values[columns][picked],
+                                                 indices[columns][picked])  # fmt: skip
+            out[module] = (indices[where], part_values[where].float(), unreachable)
     if not out:
         raise ValueError(f"rule {rule!r} with {options} changes no entry: raise density or the weights.")
     return out
@@ -781,17 +827,28 @@ def _consensus_options(rule: str, count: int, consensus_k: object, tall_lambda: 
     return {"consensus_k": consensus_k, "tall_lambda": float(tall_lambda)}
 
 
-def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> None:
+def _check_finite(
+    tuner: GraftModel, merged: dict, rule: str, options: dict, bounds: Callable[[str], dict] | None = None
+) -> None:
     """Refuse a merge whose merged parameters are not finite in the model's dtype (an fp16 model holds up to 65,504),
     or so large that the sum of their squares overflows float32 (a norm or dot product of them would: the merged
-    model's outputs would be inf or NaN)."""
+    model's outputs would be inf or NaN).
+
+    ``bounds``: module -> stored tensor -> the largest ``|theta_pre|`` at any merged entry (a stack's
+    :meth:`TaskVectorStack.base_bounds`). A tensor whose merged parameters that bound and the largest merged value show
+    to pass is not read entry by entry (:func:`_within`); any other is."""
     limit = torch.finfo(torch.float32).max
     for module, (indices, values, _) in merged.items():
         layer = tuner.model.get_submodule(module)
-        theta = layer.base_values(indices).double() + values.double()
+        known, theta = None if bounds is None else bounds(module), None
         for attr, _, position in layer.space.split(indices):
-            part, dtype = theta[position], getattr(layer.base_layer, attr).dtype
+            dtype = getattr(layer.base_layer, attr).dtype
             dtype = dtype if torch.finfo(dtype).max < limit else torch.float32  # the narrower of the two
+            if known is not None and _within(known[attr], values[position], dtype, limit):
+                continue
+            if theta is None:
+                theta = layer.base_values(indices).double() + values.double()
+            part = theta[position]
             if not torch.isfinite(part.to(dtype)).all() or part.square().sum() > limit:
                 fix = "use smaller weights (peft's default is 1.0)" if options["weights"] else "a graft is corrupt"
                 raise ValueError(
@@ -799,6 +856,15 @@ def _check_finite(tuner: GraftModel, merged: dict, rule: str, options: dict) -> 
                     f"{part.abs().max().item():.3g} (checked in {dtype}, which holds up to "
                     f"{torch.finfo(dtype).max:.3g}): the merged model's outputs would be inf or NaN; {fix}."
                 )
+
+
+def _within(base_bound: float, values: torch.Tensor, dtype: torch.dtype, limit: float) -> bool:
+    """Whether merged parameters ``theta_pre + values`` (summed in float64, as :func:`_check_finite` does) with
+    ``|theta_pre| <= base_bound`` surely pass its checks: each is at most ``m = base_bound + max|values|`` (float64
+    rounding is monotone), which ``dtype`` holds, and the float64 sum of their squares is at most ``n m^2`` times
+    ``(1 + 2^-53)^n``, under half of ``limit`` here. NaN or inf anywhere answers False."""
+    largest = base_bound + float(values.abs().max())
+    return largest <= torch.finfo(dtype).max and largest * largest * values.numel() * 2 <= limit
 
 
 def _add_merged_adapter(tuner: GraftModel, names: list[str], adapter_name: str, merged: dict, rule: str) -> None:

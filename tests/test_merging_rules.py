@@ -10,18 +10,20 @@ import shutil
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
 from peft.utils import merge_utils
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_merging import TASKS, folders, loaded, pre, state, task_vectors  # noqa: F401  (fixtures)
-from testing_utils import clone_model, input_ids
+from testing_utils import clone_model, finetune_like, input_ids
 
-from peft_graft import Region, merge_rules, merging
+from peft_graft import GraftConfig, Region, merge_rules, merging
 from peft_graft.input_statistics import input_grams, linear_layers
 from peft_graft.merge_rules import block_index, layer_type, lines_scales, reduce_off_diagonal, wudi_closed_form
 from peft_graft.merging import HEADS_FILE, MergedGraft, TaskVectorStack, merge_grafts, task_vector_norms
-from peft_graft.parameter_layout import build_layout
+from peft_graft.parameter_layout import build_layout, exact_positions
+from peft_graft.tuner.layer import GraftLayer
+from peft_graft.tuner.model import _exact_after_combining
 
 
 def per_tensor(model: PeftModel, adapters: list[str]) -> dict[str, torch.Tensor]:
@@ -269,6 +271,12 @@ def test_a_stack_sees_values_written_through_data(pre, folders):  # noqa: F811
     assert layer.graft_values["b"]._version == version
     with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
         merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
+    layer.graft_values["b"].data.div_(2.0)
+    merge_grafts(model, list(TASKS), "stitch", "restored", stack=stack)
+    indices = layer.graft_indices["b"]
+    indices.data[-1] += 1 if int(indices[-1]) + 1 < layer.num_stored else -1  # an index, in its own dtype
+    with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed in .* stale"):
+        merge_grafts(model, list(TASKS), "stitch", "after", stack=stack)
 
 
 def test_a_stack_sees_the_base_model_changed_at_the_grafts_entries(pre, folders):  # noqa: F811
@@ -428,3 +436,155 @@ def test_a_head_of_another_shape_names_the_head_and_both_shapes(pre, saved):  # 
     with pytest.raises(ValueError, match=r"head tensor 'classifier.weight' of task 'b' has shape \(5, 32\), the merged "
                                          r"adapter's has \(3, 32\)"):  # fmt: skip
         MergedGraft.from_pretrained(clone_model(pre), one)
+
+
+@pytest.mark.parametrize("density", [0.005, 0.1, 0.5, 0.9])  # topk's partial-sort branch (k * 64 <= n) and its other
+def test_top_magnitude_keeps_peft_s_entries_among_ties(density):
+    """The trim's mask (topk unsorted) is peft's magnitude pruning's (topk sorted), also where many magnitudes tie."""
+    generator = torch.Generator().manual_seed(0)
+    levels = torch.tensor([0.5, 1.0, 2.0, 3.0])  # 4 magnitudes over 10,000 entries: ties at every threshold
+    tau = levels[torch.randint(4, (10_000,), generator=generator)] * (
+        torch.randint(2, (10_000,), generator=generator) * 2 - 1
+    )
+    expected = merge_utils.magnitude_based_pruning(tau, density) != 0
+    assert torch.equal(merge_rules.top_magnitude(tau, density), expected)
+
+
+@pytest.fixture(scope="module", params=[0.5, 1.0], ids=["sparse", "full"])
+def exact_grafts(pre, request):  # noqa: F811
+    """Three grafts of ``pre`` (overlapping sparse ones, or full ones) with entries stored exactly: a quarter of each
+    fine-tune's weights shrunk to 1e-3 theta_pre, which no fp32 delta reaches."""
+    model = None
+    for seed, task in enumerate(TASKS, 1):
+        finetuned = finetune_like(pre, scale=0.01 * seed, seed=seed)
+        with torch.no_grad():
+            for name, param in finetuned.named_parameters():
+                if name.endswith("weight") and param.dim() == 2:
+                    param.view(-1)[seed::4] = pre.get_parameter(name).view(-1)[seed::4] * 1e-3
+        region = (
+            dict(sparsity=1.0) if request.param == 1.0 else dict(sparsity=request.param, region="random", seed=seed)
+        )
+        config = GraftConfig(finetuned=finetuned, modules_to_save=["classifier"], task_type="SEQ_CLS", **region)
+        if model is None:
+            model = get_peft_model(clone_model(pre), config, adapter_name=task)
+        else:
+            model.add_adapter(task, config)
+    return model
+
+
+@pytest.mark.parametrize(("rule", "options"), [("ties", dict(weights=1.0, density=0.6)), ("stitch", {}),
+                                               ("task_arithmetic", dict(weights=1.0))])  # fmt: skip
+def test_a_stack_s_exact_columns_store_what_the_search_over_every_merged_entry_does(exact_grafts, rule, options):
+    """A merge looks for the entries to store exactly only among the columns where a graft stores theta_ft exactly,
+    found once per stack: the merged adapter's exact entries are those of the search over all its entries, bit for bit;
+    a graft whose exact entries changed refuses the stack, and a new stack finds the new columns."""
+    model, names = exact_grafts, list(TASKS)
+    stack = TaskVectorStack(model, names)
+    stored = 0
+    for adapter in ("m", "again"):  # the second merge reuses the columns found by the first
+        merge_grafts(model, names, rule, adapter, stack=stack, **options)
+        for module, layer in model.base_model.graft_layers().items():
+            indices, values = layer.entries(adapter)
+            union, rows, exact = stack.layers[module]
+            columns = torch.searchsorted(union, indices.long())
+            expected = exact_positions(indices, _exact_after_combining(rows[:, columns], exact[:, columns], values,
+                                                                       indices.long()))  # fmt: skip
+            positions, targets = layer.exact_entries(adapter)
+            assert torch.equal(positions.long(), expected[0]) and torch.equal(targets, expected[1]), module
+            stored += positions.numel()
+        assert all(stack.exact_columns(module) is found for module, found in stack._exact.items())
+        model.delete_adapter(adapter)
+    full = stack.layers[module][1].isnan().sum() == 0  # then only TIES keeps one graft's delta at a column
+    assert stored > 0 or (full and rule != "ties")  # the premise: some merged entries are stored exactly
+    module, layer = next((m, layer) for m, layer in model.base_model.graft_layers().items()
+                         if layer.exact_entries("b")[0].numel())  # fmt: skip
+    before = stack.exact_columns(module)[0]
+    indices, values = (t.clone() for t in layer.entries("b"))
+    positions, targets = (t.clone() for t in layer.exact_entries("b"))
+    layer.set_region("b", indices, values)  # b's exact entries dropped here
+    try:
+        with pytest.raises(ValueError, match=r"Graft 'b' \(task 'b'\) changed"):
+            merge_grafts(model, names, rule, "after", stack=stack, **options)
+        assert not torch.equal(TaskVectorStack(model, names).exact_columns(module)[0], before)
+    finally:
+        layer.set_region("b", indices, values, (indices[positions.long()], targets))
+
+
+def test_a_stack_bounds_theta_pre_once_and_reads_the_base_only_where_the_bound_is_too_loose(pre, monkeypatch):  # noqa: F811
+    """A merge through a stack checks its merged parameters for overflow by the stack's bound on |theta_pre| per stored
+    tensor (found once) and its largest merged value; it reads the base entry by entry only where that bound cannot
+    show them finite, and then decides as before: grafts of a base holding 1e18 merge (theta up to 2e18: the sum of
+    squares fits float32), with weights of 20 the merged values' squares overflow float32 and are refused."""
+    big = clone_model(pre)
+    weight = big.bert.encoder.layer[0].attention.self.query.weight
+    with torch.no_grad():
+        weight.view(-1)[7] = 1e18
+    model = None
+    for seed, task in enumerate(("x", "y"), 1):
+        finetuned = finetune_like(big, scale=0.01, seed=seed)
+        with torch.no_grad():
+            finetuned.bert.encoder.layer[0].attention.self.query.weight.view(-1)[7] = 2e18  # moved by 1e18
+        config = GraftConfig(finetuned=finetuned, sparsity=1.0, modules_to_save=["classifier"], task_type="SEQ_CLS")
+        if model is None:
+            model = get_peft_model(clone_model(big), config, adapter_name=task)
+        else:
+            model.add_adapter(task, config)
+    reads = []
+    original = GraftLayer.base_values
+    monkeypatch.setattr(GraftLayer, "base_values", lambda self, idx: reads.append(idx.numel()) or original(self, idx))
+    stack = TaskVectorStack(model, ["x", "y"])
+    merge_grafts(model, ["x", "y"], "ties", "first", weights=1.0, density=0.5, stack=stack)
+    bounds = dict(stack._bounds)
+    assert bounds and all(stack.base_bounds(module) is found for module, found in bounds.items())
+    query = next(m for m in bounds if m.endswith("layer.0.attention.self.query"))
+    assert bounds[query]["weight"] == float(torch.tensor(1e18)) and all(
+        v < 10 for m, b in bounds.items() for v in b.values() if m != query
+    )
+    reads.clear()
+    merge_grafts(model, ["x", "y"], "ties", "again", weights=1.0, density=0.5, stack=stack)
+    assert [n for n in reads if n > 2] == [model.base_model.model.get_submodule(query).entries("again")[0].numel()]
+    assert torch.equal(*task_vectors(model, ["first", "again"]))
+    with pytest.raises(ValueError, match=r"gives merged values of .*query\.weight up to 2\.1e\+19 .*inf or NaN"):
+        merge_grafts(model, ["x", "y"], "ties", "huge", weights=20.0, density=0.5, stack=stack)
+    assert "huge" not in model.peft_config
+
+
+def test_a_stack_holds_each_graft_s_values_and_theta_ft_at_its_columns(exact_grafts):
+    """The stacked task vectors, checked against each graft's own entries: its values and exact theta_ft at the union's
+    columns of its indices, NaN elsewhere (a full graft's row is its entries as they are)."""
+    model = exact_grafts
+    stack = TaskVectorStack(model, list(TASKS))
+    for module, (union, rows, exact) in stack.layers.items():
+        layer = model.base_model.model.get_submodule(module)
+        for row, task in enumerate(TASKS):
+            indices, values = layer.entries(task)
+            positions, targets = layer.exact_entries(task)
+            expected = torch.full((union.numel(),), torch.nan)
+            expected[torch.searchsorted(union, indices.long())] = values.detach()
+            assert torch.equal(rows[row].nan_to_num(7.0), expected.nan_to_num(7.0)), (module, task)
+            expected = torch.full((union.numel(),), torch.nan)
+            expected[torch.searchsorted(union, indices.long()[positions.long()])] = targets
+            assert torch.equal(exact[row].nan_to_num(7.0), expected.nan_to_num(7.0)), (module, task)
+
+
+def test_full_grafts_check_the_base_once_per_layer_against_each_record(exact_grafts, monkeypatch):
+    """Grafts holding the same entries of a layer (full grafts) and their union read the base there once; each graft's
+    recorded checksum is still compared with it: one recording another theta_pre is refused, naming it."""
+    model = exact_grafts
+    calls = []
+    original = GraftLayer.base_checksum
+    monkeypatch.setattr(GraftLayer, "base_checksum", lambda self, idx: calls.append(self) or original(self, idx))
+    TaskVectorStack(model, list(TASKS))
+    layers = model.base_model.graft_layers()
+    full = all(layer.entries(t)[0].numel() == layer.entries(TASKS[0])[0].numel() for layer in layers.values()
+               for t in TASKS)  # fmt: skip
+    assert full == (exact_grafts.peft_config["a"].region_provenance["strategy"] != "random")
+    assert len(calls) == (len(layers) if full else len(layers) * (len(TASKS) + 1))
+    module = next(iter(model.peft_config["c"].base_checksum))
+    recorded = model.peft_config["c"].base_checksum[module]
+    model.peft_config["c"].base_checksum[module] = "0" * 16  # recorded from another base model
+    try:
+        with pytest.raises(ValueError, match=rf"Graft 'c' \(task 'c'\) was made from a different base .*'{module}'"):
+            TaskVectorStack(model, list(TASKS))
+    finally:
+        model.peft_config["c"].base_checksum[module] = recorded
