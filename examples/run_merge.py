@@ -752,15 +752,21 @@ def forward_cost(run: Runner, tasks, model: PeftModel, heads, sources: dict, kin
         for name in timings:  # warm-up
             timed(name)
         timings = {name: [] for name in timings}
-        for _ in range(repeats):
-            for name in variants:
-                timed("base")
-                timed(name)
-    base = timings["base"]
+        base = {}  # per variant: the base forwards timed right before it
+        # kind after kind, its modes alternating: the "sparse_delta" mode keeps a layer's joined grafts while batches
+        # bring the same ones, as a server's do; interleaving the kinds would time their joins instead
+        for block in [[f"{kind} {mode}" for mode in MODES] for kind in kinds] + [["merged"]]:
+            for name in block:
+                timed(name)  # a warm-up for the block's grafts
+            for _ in range(repeats):
+                for name in block:
+                    timed("base")
+                    base.setdefault(name, []).append(timings["base"][-1])
+                    timed(name)
     out = {"batch": len(adapters["full"]), "tokens": batch["input_ids"].shape[1],
-           "base_ms": 1e3 * statistics.median(base), "load": list(os.getloadavg())}  # fmt: skip
-    for i, name in enumerate(variants):
-        ratios = [t / b for t, b in zip(timings[name], base[i :: len(variants)], strict=True)]
+           "base_ms": 1e3 * statistics.median(timings["base"]), "load": list(os.getloadavg())}  # fmt: skip
+    for name in variants:
+        ratios = [t / b for t, b in zip(timings[name][1:], base[name], strict=True)]
         out[name] = {"median": statistics.median(ratios), "quartiles": np.quantile(ratios, [0.25, 0.75]).tolist()}
     return out
 
