@@ -25,7 +25,7 @@ The set-up (docs/merging.md says why):
 * **Serve, don't merge**: each task's exact (full) graft, its L&S graft and its MaskTrainer graft (also MaskTrainer
   regions of ``--served_fractions``) served in mixed batches (``adapter_names``), with the forward cost of a mixed
   batch of each of ``--cost_batches`` sizes (in the ``"exact"`` and ``"sparse_delta"`` mixed batch modes) and of the
-  best merged model against the base model's (paired ratios, alternating in one process).
+  best merged model against the base model's (paired ratios in one process).
 
 Writes ``summary.md``, ``results.json`` and figures to ``--report_dir``; every fine-tune, region and score is saved in
 ``--work_dir`` as it lands, and a rerun skips what is done.
@@ -654,7 +654,8 @@ MODES = ("exact", "sparse_delta")  # model.set_mixed_batch_mode
 def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, evaluate, sources, build_best, best):
     """Each kind of task graft served in mixed batches (one graft per example, its head's logits only): accuracy, ECE,
     storage; and the forward cost of a mixed batch of each kind in each mixed-batch mode and of the best merged model,
-    each a median of paired ratios against the base model's forward on the same batch, alternating in one process."""
+    at each of ``--cost_batches`` sizes, each a median of paired ratios against the base model's forward on the same
+    batch, in one process (:func:`forward_cost`)."""
     names, kinds = list(tasks), served_kinds(args)
     out = {}
     for kind in kinds:
@@ -669,7 +670,7 @@ def serving(run: Runner, args, tasks: dict[str, Task], model: PeftModel, heads, 
     sizes = [str(size) for size in args.cost_batches]
     if cached is None or any(
         size not in cached or f"{kind} exact" not in cached[size] for size in sizes for kind in kinds
-    ):  # fmt: skip  (every size and kind timed in one process)
+    ):  # every size and kind timed in one process
         merged = build_best()
         try:
             cached = {size: forward_cost(run, tasks, model, heads, sources, kinds, merged.adapter_name,
@@ -937,20 +938,20 @@ def summary_markdown(results: dict, names: list[str]) -> str:
         values = [merge["norms"][n][kind] for n in names]
         spread = max(values) / min(values) if min(values) > 0 else float("inf")
         lines.append(f"| {kind} | " + " | ".join(f"{v:.4g}" for v in values) + f" | {spread:.2f} |")
-    sizes = [k for k in individual[names[0]] if k.startswith("learned_")]
+    extra = [k for k in individual[names[0]] if k.startswith("learned_")]  # --served_fractions' regions
     lines += [
         "",
         "## Per task: the fine-tune and its regions (test accuracy %)",
         "",
         "| task | fine-tune | L&S region (entries) | disjoint L&S region (entries) | MaskTrainer region (entries) | "
-        + "".join(f"MaskTrainer, {size_of(k):g}% (entries) | " for k in sizes),
-        "|---" * (5 + len(sizes)) + "|",
+        + "".join(f"MaskTrainer, {size_of(k):g}% (entries) | " for k in extra),
+        "|---" * (5 + len(extra)) + "|",
     ]
     for n in names:
         one = individual[n]
         lines.append(f"| {n} | {one['finetune']['test']['accuracy']:.1f} | "
                      + " | ".join(f"{one[k]['test']['accuracy']:.1f} ({one[k]['entries']:,})"
-                                  for k in (*REGION_KINDS, *sizes))
+                                  for k in (*REGION_KINDS, *extra))
                      + " |")  # fmt: skip
     lines += ["", "## Regions: overlap |g_i & g_j| / |g_j| and where the shared entries lie", ""]
     for kind, view in merge["regions"].items():
