@@ -324,7 +324,7 @@ def size_of(kind: str) -> float:
 
 def served_kinds(args: MergeArguments) -> list[str]:
     """Every kind of task graft served in mixed batches: :data:`SERVED`, then each further MaskTrainer size."""
-    return [*SERVED, *(sized(f) for f in args.served_fractions if sized(f) not in SERVED)]
+    return [*SERVED, *(sized(f) for f in args.served_fractions)]
 
 
 def sorted_region(region: Region) -> dict:
@@ -750,9 +750,8 @@ def forward_cost(run: Runner, tasks, model: PeftModel, heads, sources: dict, kin
         timings[name].append(time.perf_counter() - start)
 
     with torch.no_grad():
-        for name in timings:  # warm-up
-            timed(name)
-        timings = {name: [] for name in timings}
+        timed("base")  # a warm-up; each block below warms up its own variants
+        timings["base"].clear()
         base = {}  # per variant: the base forwards timed right before it
         # kind after kind, its modes alternating: the "sparse_delta" mode keeps a layer's joined grafts while batches
         # bring the same ones, as a server's do; interleaving the kinds would time their joins instead
