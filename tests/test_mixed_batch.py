@@ -104,10 +104,16 @@ def test_each_example_gets_its_grafts_output(arch):
     assert model.active_adapter == "sst"
 
 
+def grouped(names: list[str]) -> list[int]:
+    """The order the model's forward puts a mixed batch's examples in: each name's side by side, by first appearance."""
+    return [i for name in dict.fromkeys(names) for i, n in enumerate(names) if n == name]
+
+
 def test_each_graft_layer_is_bit_exact_per_group(arch):
     """In the exact mode, every graft layer's mixed output, per group, equals that layer run with only the group's
     graft active (adapters disabled for "__base__") on the group's rows of the same input: the mode's exactness, free
-    of the rounding the modules between graft layers add by batch size."""
+    of the rounding the modules between graft layers add by batch size. The layers see the examples grouped by graft
+    (the model's forward reorders them)."""
     _, model = grafts(arch)
     model.set_mixed_batch_mode("exact")
     inputs, seen = batch(), {}
@@ -115,7 +121,8 @@ def test_each_graft_layer_is_bit_exact_per_group(arch):
 
     def record(name):
         def hook(_, args, output):
-            seen.setdefault(name, []).append((args[0].detach().clone(), output.detach().clone()))
+            names = list(layers[name].mixed_batch.names)  # the examples' order the layer runs with
+            seen.setdefault(name, []).append((args[0].detach().clone(), output.detach().clone(), names))
 
         return hook
 
@@ -127,9 +134,10 @@ def test_each_graft_layer_is_bit_exact_per_group(arch):
     assert set(seen) == set(layers)
     checked = set()
     for graft in dict.fromkeys(NAMES):
-        rows = [i for i, n in enumerate(NAMES) if n == graft]
         for name, calls in seen.items():
-            for x, output in calls:
+            for x, output, names in calls:
+                assert names == [NAMES[i] for i in grouped(NAMES)]
+                rows = [i for i, n in enumerate(names) if n == graft]
                 if x.shape[0] != len(NAMES):  # an input shared by the batch (position ids)
                     continue
                 with torch.no_grad():
@@ -158,12 +166,14 @@ def test_different_classification_heads_per_example():
     check_per_example(model, inputs, NAMES, out)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_generate_gives_each_example_its_grafts_tokens(arch):
-    """Greedy generation with the KV cache, left padding, tied input and output embeddings (Llama)."""
+@pytest.mark.parametrize(("arch", "use_cache"), [("gpt2", True), ("llama", True), ("gpt2", False)])
+def test_generate_gives_each_example_its_grafts_tokens(arch, use_cache):
+    """Greedy generation with the KV cache (each step in the batch's order: the cache is kept in it), and without
+    (each step's forward with the examples grouped by graft), left padding, tied input and output embeddings
+    (Llama)."""
     _, model = grafts(arch)
     inputs, before = batch(), state(model)
-    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=use_cache, pad_token_id=0)
     with torch.no_grad():
         tokens = model.generate(**inputs, **kwargs, adapter_names=NAMES)
     assert unchanged(model, before)
@@ -195,6 +205,114 @@ def test_beam_search_repeats_each_name_per_beam():
             model.set_adapter(name)
             expected = model.generate(**own, **kwargs)
         assert torch.equal(tokens[row, : expected.shape[1]], expected[0]), name
+
+
+def _unregrouped(monkeypatch) -> None:
+    """Mixed batches run in the examples' order (the per-layer gather and scatter)."""
+    from peft_graft.tuner import mixed_batch
+
+    monkeypatch.setattr(mixed_batch.MixedBatch, "grouped_order", lambda self: None)
+
+
+def _orders_seen(model) -> list[list[str]]:
+    """Hooks recording the order of names every graft layer runs with, and the list they fill."""
+    seen = []
+    for layer in model.base_model.graft_layers().values():
+        layer.register_forward_hook(lambda module, args, out: seen.append(list(module.mixed_batch.names)))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["exact", "sparse_delta"])
+@pytest.mark.parametrize("arch", ["bert_cls", "gpt2"])
+def test_a_mixed_batch_runs_grouped_by_graft_and_answers_in_the_examples_order(arch, mode, monkeypatch):
+    """The model's forward puts the examples side by side by graft (each graft layer then runs its groups on slices,
+    no gather and scatter per layer) and every output back in the examples' order: logits, hidden states and GPT-2's
+    cache equal, bit for bit, those of the batch run in its order; the batch's order is back after the forward."""
+    _, model = grafts(arch)
+    model.set_mixed_batch_mode(mode)
+    inputs, before = batch(), state(model)
+    seen = _orders_seen(model)
+    with torch.no_grad():
+        grouped_out = model(**inputs, adapter_names=NAMES, output_hidden_states=True)
+    assert seen and all(names == [NAMES[i] for i in grouped(NAMES)] for names in seen)
+    assert unchanged(model, before)
+    _unregrouped(monkeypatch)
+    seen.clear()
+    with torch.no_grad():
+        expected = model(**inputs, adapter_names=NAMES, output_hidden_states=True)
+    assert seen and all(names == NAMES for names in seen)
+    assert torch.equal(grouped_out.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(grouped_out.hidden_states, expected.hidden_states, strict=True))
+    if arch == "gpt2":
+        cache, expected_cache = grouped_out.past_key_values, expected.past_key_values
+        assert cache.get_seq_length() == expected_cache.get_seq_length() > 0
+        for got, want in zip(cache.layers, expected_cache.layers, strict=True):
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+
+
+def test_a_mixed_batch_keeps_its_order_where_grouping_could_change_the_result():
+    """Labels (the loss sums over the examples in their order), a cache passed in, and a tensor argument the model's
+    forward does not know as one row per example leave the batch in its order; so does a batch already grouped."""
+    _, model = grafts("bert_cls")
+    inputs = batch()
+    seen = _orders_seen(model)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    with torch.no_grad():
+        model(**inputs, labels=labels, adapter_names=NAMES)
+        assert seen and all(names == NAMES for names in seen)
+        seen.clear()
+        model(**inputs, adapter_names=NAMES, unknown_tensor=torch.ones(len(NAMES)))
+        assert seen and all(names == NAMES for names in seen)
+        seen.clear()
+        names = [NAMES[i] for i in grouped(NAMES)]
+        model(**inputs, adapter_names=names)
+        assert seen and all(order == names for order in seen)
+
+
+class Opaque:
+    """An output object a mixed batch cannot reorder."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class ReturnsOpaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(VOCAB, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return Opaque(self.out(self.emb(ids)))
+
+
+def test_a_grouped_output_that_cannot_be_reordered_is_a_clear_type_error():
+    torch.manual_seed(0)
+    pre = ReturnsOpaque()
+    model = get_peft_model(clone_plain(pre), GraftConfig(finetuned=finetune_like(pre), sparsity=0.2), "sst").eval()
+    before = state(model)
+    with torch.no_grad(), pytest.raises(TypeError, match=r"holds a Opaque.*grouped by graft"):
+        model(input_ids(4, 5, seed=1), adapter_names=["sst", "__base__", "sst", "__base__"])
+    assert unchanged(model, before)
+    with torch.no_grad():  # grouped already: runs as it is
+        out = model(input_ids(4, 5, seed=1), adapter_names=["sst", "sst", "__base__", "__base__"])
+    assert isinstance(out, Opaque)
+
+
+@pytest.mark.parametrize(("features", "bias"), [((8, 3), True), ((7, 5), False), ((16, 32), True), ((5, 33), True)])
+def test_linear_by_slices_is_f_linear_on_each_groups_rows(features, bias):
+    """Each group's rows written straight into the output (aligned slices) or copied there (unaligned ones) equal
+    ``F.linear`` on those rows alone, bit for bit, in fp32 and fp64."""
+    from peft_graft.tuner.mixed_batch import _linear_by_slices
+
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        linear = nn.Linear(*features, bias=bias).to(dtype)
+        x = torch.randn(7, 3, features[0], dtype=dtype)
+        groups = [("a", slice(0, 2)), ("b", slice(2, 3)), ("c", slice(3, 7))]
+        with torch.no_grad():
+            out = _linear_by_slices(linear, {}, groups, x)
+            for _, rows in groups:
+                assert torch.equal(out[rows], nn.functional.linear(x[rows].clone(), linear.weight, linear.bias))
 
 
 class Mixed(nn.Module):
@@ -464,7 +582,8 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
 
     def record(name):
         def hook(_, args, output):
-            seen.setdefault(name, (args[0].detach().clone(), output.detach().clone()))
+            names = list(layers[name].mixed_batch.names)  # the examples' order the layer runs with
+            seen.setdefault(name, (args[0].detach().clone(), output.detach().clone(), names))
 
         return hook
 
@@ -483,10 +602,10 @@ def test_sparse_delta_mode_stays_within_its_rounding_bound(arch, dtype, monkeypa
     assert not taken  # the exact mode never takes it
     assert (fast - exact).abs().max() <= 10 * RTOL * exact.abs().max()
     for graft in dict.fromkeys(NAMES):
-        rows = [i for i, n in enumerate(NAMES) if n == graft]
-        for name, (x, output) in seen.items():
+        for name, (x, output, names) in seen.items():
             if x.shape[0] != len(NAMES):
                 continue
+            rows = [i for i, n in enumerate(names) if n == graft]
             layer = layers[name]
             with torch.no_grad():
                 if graft == "__base__":
@@ -1021,8 +1140,9 @@ def test_sparse_delta_mode_runs_layer_norms_once_per_batch(arch, monkeypatch):
     for handle in handles:
         handle.remove()
     assert {id(layer) for layer in calls} == {id(layer) for layer in norms.values()}
+    names = [NAMES[i] for i in grouped(NAMES)]  # the order the layers run the examples in
     for graft in dict.fromkeys(NAMES):
-        rows = [i for i, n in enumerate(NAMES) if n == graft]
+        rows = [i for i, n in enumerate(names) if n == graft]
         for name, layer in norms.items():
             x = seen[name][rows]
             with torch.no_grad():

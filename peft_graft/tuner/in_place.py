@@ -28,7 +28,7 @@ structural changes are refused there (:func:`state_change`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,9 +96,9 @@ class InPlacePlan:
                 return False
         return all(owner.get(key) is slot for owner, key, slot in self.slots)
 
-    def run(self, base_layer: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """The base forward with the entries written into the base tensors, which get their originals back after it
-        (also on an error)."""
+    def run(self, base_layer: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The base forward (``base_layer``, or a call computing it) with the entries written into the base tensors,
+        which get their originals back after it (also on an error)."""
         saved: list[Saved] = []
         try:
             self.write(saved)

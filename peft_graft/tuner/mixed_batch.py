@@ -12,7 +12,10 @@ base layer once per group, with that graft's entries written into the base tenso
 entries in the layer (and those asking for ``"__base__"``, the pre-trained model) share one call on the base tensors as
 they are. Each example therefore goes through exactly the arithmetic of a forward with only its graft active, on its
 group's rows; on the CPU a row of a matrix product does not depend on the other rows of its batch, so outputs are
-bit-exact (``tests/test_mixed_batch.py``). A head stored whole (``modules_to_save``, e.g. a classification head per
+bit-exact (``tests/test_mixed_batch.py``). So that the groups are slices of each layer's input (no gather and scatter
+per layer, a plain ``nn.Linear`` writing each group's product straight into its slice of the output), the model's
+forward puts the examples side by side by graft and its outputs back in their order (:func:`grouped_call`), where
+that cannot change what the caller gets. A head stored whole (``modules_to_save``, e.g. a classification head per
 task) runs this way in both modes: each group through its graft's copy.
 
 The state lives on the layers (``GraftLayer.mixed_batch``) and on the tuner for the duration of the forward or
@@ -24,8 +27,9 @@ after an error.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
+from transformers.cache_utils import Cache
 
 from . import sparse_delta
 from .in_place import _IN_EFFECT, WRITE_LOCK, suspended_writes
@@ -64,6 +69,9 @@ class MixedBatch:
 
     names: list[str]
     sparse_delta: bool = False  # the "sparse_delta" mode (see the module doc)
+    # whether the model's forward may put the examples in grouped order first (:func:`grouped_call`): one batch for
+    # every layer (no encoder batch of its own), not inside ``generate``
+    regroupable: bool = False
     positions: dict[str, list[int]] = field(default_factory=dict)
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
     # by id(layer), in the "sparse_delta" mode: what the layer runs with (None: the exact path)
@@ -71,6 +79,7 @@ class MixedBatch:
     # in the "sparse_delta" mode, the layers whose deltas are not built yet: all at once, at the first layer call that
     # uses one (none does while autograd is on, so nothing is built then)
     unprepared: list[nn.Module] = field(default_factory=list)
+    delta_layers: list[nn.Module] = field(default_factory=list)  # every layer that may use one
     # the model's intermediate results per device (sparse_delta.Scratch), shared by its layers; None in a batch nested
     # inside another (from a hook), which leaves the layers' kept buffers alone
     scratch: dict[torch.device, Scratch] | None = None
@@ -79,6 +88,19 @@ class MixedBatch:
     def __post_init__(self) -> None:
         for position, name in enumerate(self.names):
             self.positions.setdefault(name, []).append(position)
+
+    def grouped_order(self) -> list[int] | None:
+        """The example positions with each name's examples side by side (names by first appearance, examples in batch
+        order), or None where they already are."""
+        order = [position for positions in self.positions.values() for position in positions]
+        return None if order == list(range(len(order))) else order
+
+    def regroup(self, order: list[int]) -> None:
+        """The batch with its examples in ``order``: what depends on their order is found again."""
+        self.names = [self.names[position] for position in order]
+        self.positions, self._groups, self.deltas = {}, {}, {}
+        self.unprepared = list(self.delta_layers)
+        self.__post_init__()
 
     def groups(self, device: torch.device) -> list[Group]:
         """One group per name, in order of first appearance: ``(name, its examples)``."""
@@ -142,6 +164,110 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+BATCH_INPUTS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+        "position_ids",
+        "inputs_embeds",
+        "pixel_values",
+        "pixel_mask",
+        "input_features",
+        "input_values",
+        "decoder_input_ids",
+        "decoder_attention_mask",
+        "decoder_position_ids",
+        "decoder_inputs_embeds",
+    }
+)
+"""The forward arguments :func:`grouped_call` reorders (those with one row per example; a row shared by the batch, as
+GPT-2's position ids of shape ``(1, length)``, stays as it is). A tensor passed under any other name keeps the batch
+in its order."""
+
+
+def grouped_call(batch: MixedBatch, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[int], torch.Tensor] | None:
+    """``(args, kwargs, order, inverse)``: the call with the examples in ``order`` (``batch.grouped_order()``), so
+    that each graft layer runs its groups on slices of its input and writes them into slices of its output (no gather
+    and scatter per layer); the output indexed by ``inverse`` along the batch dimension (:func:`in_batch_order`) is in
+    the examples' order. None (the batch runs in its order) where the examples are already grouped, and wherever
+    reordering could change what the caller gets: ``labels`` (the loss sums over the examples in their order),
+    ``past_key_values`` (kept in the batch's order), or a tensor argument not in :data:`BATCH_INPUTS`."""
+    order = batch.grouped_order() if batch.regroupable else None
+    if order is None or len(args) > 1 or any(kwargs.get(key) is not None for key in ("labels", "past_key_values")):
+        return None
+    size = len(batch.names)
+    for value in (*args, *kwargs.values()):
+        if value is not None and not isinstance(value, (bool, int, float, str, torch.Tensor)):
+            return None
+    if any(torch.is_tensor(value) and key not in BATCH_INPUTS for key, value in kwargs.items()):
+        return None
+    tensors = [value for value in (*args, *kwargs.values()) if torch.is_tensor(value)]
+    if not tensors or any(not value.dim() or value.shape[0] not in (size, 1) for value in tensors):
+        return None
+    index = torch.tensor(order, dtype=torch.int64)
+    indices: dict[torch.device, torch.Tensor] = {}
+
+    def grouped(value: Any) -> Any:
+        if not torch.is_tensor(value) or value.shape[0] != size:
+            return value
+        if value.device not in indices:
+            indices[value.device] = to_device(index, value.device)
+        return value.index_select(0, indices[value.device])
+
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(size)
+    kwargs = {key: grouped(value) for key, value in kwargs.items()}
+    return tuple(grouped(value) for value in args), kwargs, order, inverse
+
+
+def _grouping_forward(tuner: nn.Module, forward: Callable) -> Callable:
+    """The model's ``forward`` for the duration of a mixed batch: each call with the examples grouped by graft where
+    :func:`grouped_call` allows (the batch regrouped for the call, and back after it), its output in the examples'
+    order. Both ways peft calls the model go through it: the tuner's ``forward`` and ``PeftModel``'s direct call."""
+
+    @functools.wraps(forward)
+    def grouping_forward(*args: Any, **kwargs: Any) -> Any:
+        batch = tuner.__dict__.get("mixed_batch")  # None while a nested forward suspends it
+        grouped = grouped_call(batch, args, kwargs) if batch is not None else None
+        if grouped is None:
+            return forward(*args, **kwargs)
+        args, kwargs, order, inverse = grouped
+        batch.regroup(order)
+        try:
+            return in_batch_order(forward(*args, **kwargs), inverse)
+        finally:
+            batch.regroup(inverse.tolist())
+
+    return grouping_forward
+
+
+def in_batch_order(output: Any, inverse: torch.Tensor) -> Any:
+    """A forward's output (a ``ModelOutput``, tuple, dict or tensor) with every tensor of one row per example, and a
+    ``transformers`` cache, put back in the examples' order (``inverse`` from :func:`grouped_call`)."""
+    size = inverse.numel()
+    if torch.is_tensor(output):
+        if not output.dim() or output.shape[0] != size:
+            return output
+        return output.index_select(0, to_device(inverse, output.device))
+    if output is None or isinstance(output, (bool, int, float, str)):
+        return output
+    if isinstance(output, dict):  # a ModelOutput (an OrderedDict) sets its attribute with its item
+        for key, value in list(output.items()):
+            output[key] = in_batch_order(value, inverse)
+        return output
+    if isinstance(output, (tuple, list)) and type(output) in (tuple, list):
+        return type(output)(in_batch_order(value, inverse) for value in output)
+    if isinstance(output, Cache):  # a decoder's keys and values, one row per example
+        output.reorder_cache(inverse)
+        return output
+    raise TypeError(
+        f"A mixed-graft batch ran with its examples grouped by graft, and its output holds a {type(output).__name__}, "
+        "which cannot be put back in the examples' order. Pass the examples grouped by graft (each graft's examples "
+        "next to each other in adapter_names), which runs the batch as it is."
+    )
+
+
 class _Running:
     """The mixed batches in effect, nested ones included (changed only under WRITE_LOCK, by the thread holding it)."""
 
@@ -178,7 +304,9 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
             delta = tuner.__dict__.get("mixed_batch_mode", DEFAULT_MIXED_BATCH_MODE) == "sparse_delta"
             scratch = None if _RUNNING.depth else tuner.__dict__.setdefault(SCRATCH, {})
             batches = {id(n): MixedBatch(n, delta, scratch=scratch) for n in (names, decoder_names)}
+            batches[id(names)].regroupable = len(batches) == 1
             layers, wrappers = tuner._adapter_modules()
+            model_forward = tuner.model.__dict__.get("forward")  # accelerate's hooks set one
             _RUNNING.depth += 1
             try:
                 tuner.mixed_batch = batches[id(decoder_names)]
@@ -194,11 +322,18 @@ def mixed_batch_hooks(tuner: nn.Module, *args: Any, **kwargs: Any) -> Iterator[N
                     else:
                         module.mixed_batch = batch
                         if delta:
-                            batch.unprepared.append(module)
+                            batch.delta_layers.append(module)
+                for batch in batches.values():
+                    batch.unprepared = list(batch.delta_layers)
+                tuner.model.forward = _grouping_forward(tuner, model_forward or tuner.model.forward)
                 yield
             finally:
                 _RUNNING.depth -= 1
                 _clear(tuner)
+                if model_forward is None:
+                    tuner.model.__dict__.pop("forward", None)
+                else:
+                    tuner.model.forward = model_forward
 
 
 @contextmanager
@@ -275,7 +410,63 @@ def layer_forward(layer: nn.Module, batch: MixedBatch, args: tuple, kwargs: dict
             layer.base_layer, overrides, (inputs, *rest), kwargs, tie_weights=False, strict=False
         )
 
-    return _combine(batch.groups(x.device), run, x, len(batch.names), type(layer.base_layer).__name__)
+    groups = batch.groups(x.device)
+    if not rest and not kwargs and _linear_by_slices_applies(layer.base_layer, x, groups, len(batch.names)):
+        plans = {name: layer.in_place_plan((name,)) for name in holders}
+        if all(plan is not None for plan in plans.values()):
+            return _linear_by_slices(layer.base_layer, plans, groups, x)
+    return _combine(groups, run, x, len(batch.names), type(layer.base_layer).__name__)
+
+
+def _linear_by_slices_applies(base: nn.Module, x: torch.Tensor, groups: list[Group], batch_size: int) -> bool:
+    """Whether :func:`_linear_by_slices` runs ``base`` on ``x``: a plain ``nn.Linear`` (no hooks, its own forward) in
+    fp32 or fp64 on the CPU, without autograd or autocast, every group a slice of the batch."""
+    return (
+        type(base).forward is nn.Linear.forward
+        and "forward" not in base.__dict__  # accelerate's hooks replace it
+        and not (base._forward_pre_hooks or base._forward_hooks)
+        and not (nn.modules.module._global_forward_pre_hooks or nn.modules.module._global_forward_hooks)
+        and torch.is_tensor(x)
+        and x.dim() > 1
+        and x.shape[0] == batch_size
+        and x.is_contiguous()
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and all(tensor is None or tensor.dtype == x.dtype for tensor in (base.weight, base.bias))
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and all(isinstance(index, slice) for _, index in groups)
+    )
+
+
+def _linear_by_slices(base: nn.Linear, plans: dict, groups: list[Group], x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's mixed-batch output with each group's product written straight into its slice of the output
+    (``out=``, the kernel ``F.linear`` calls, on the same rows), the group's graft written in place around it: no copy
+    of the group's output, which costs about as much as the product's blocking by group saves (BENCHMARKS.md)."""
+    rows = math.prod(x.shape[1:-1])
+    out = x.new_empty((*x.shape[:-1], base.out_features))
+    flat_x, flat_out = x.view(-1, x.shape[-1]), out.view(-1, base.out_features)
+    for name, index in groups:
+        part = slice(index.start * rows, index.stop * rows)
+        inputs, outputs = flat_x[part], flat_out[part]
+        if inputs.data_ptr() % _ALIGNMENT:  # CPU kernels round by the data's alignment
+            inputs = inputs.clone()
+        target = outputs if outputs.data_ptr() % _ALIGNMENT == 0 else torch.empty_like(outputs)
+        plan = plans.get(name)
+        if plan is None:
+            _linear_into(base, inputs, target)
+        else:
+            plan.run(_linear_into, (base, inputs, target), {})
+        if target is not outputs:
+            outputs.copy_(target)
+    return out
+
+
+def _linear_into(base: nn.Linear, inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``F.linear(inputs, base.weight, base.bias)`` written into ``out``, by the same kernel (2-D inputs)."""
+    if base.bias is None:
+        return torch.mm(inputs, base.weight.t(), out=out)
+    return torch.addmm(base.bias, inputs, base.weight.t(), out=out)
 
 
 def prepare_sparse_deltas(layers: list[tuple[nn.Module, MixedBatch]]) -> None:
