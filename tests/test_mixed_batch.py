@@ -463,6 +463,25 @@ def test_threads_mixing_batches_and_single_graft_forwards_get_their_outputs():
     assert unchanged(model, before)
 
 
+def test_another_threads_call_during_a_mixed_batch_runs_as_it_is():
+    """While a mixed batch is in effect in one thread, a call of the model from another thread (``PeftModel``'s
+    direct call, which waits for the write lock at its first graft layer) neither regroups that batch nor its own
+    inputs by it: it gets the active graft's output once the mixed batch ends."""
+    _, model = grafts("roberta_mlm")  # a PeftModel without a task type: peft calls the model directly
+    inputs = batch()
+    with torch.no_grad():
+        alone = model(**inputs).logits  # "sst" active
+    tuner, results = model.base_model, []
+    with tuner._enable_peft_forward_hooks(adapter_names=NAMES):
+        worker = threading.Thread(target=lambda: results.append(torch.no_grad()(tuner.model)(**inputs).logits))
+        with torch.no_grad():
+            worker.start()
+            worker.join(0.5)  # it waits for the lock this thread holds
+        assert worker.is_alive() and tuner.mixed_batch.names == NAMES
+    worker.join()
+    assert torch.equal(results[0], alone)
+
+
 @pytest.mark.parametrize("deltas", [False, True])
 @pytest.mark.parametrize("nested_names", [None, ["news"] * len(NAMES), NAMES[::-1]])
 def test_a_forward_nested_in_a_mixed_batch_sees_the_state_it_asks_for(nested_names, deltas, monkeypatch):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class MixedBatch:
     names: list[str]
     sparse_delta: bool = False  # the "sparse_delta" mode (see the module doc)
     # whether the model's forward may put the examples in grouped order first (:func:`grouped_call`): one batch for
-    # every layer (no encoder batch of its own), not inside ``generate``
+    # every layer (not beam search's encoder batch beside its decoder batch)
     regroupable: bool = False
     positions: dict[str, list[int]] = field(default_factory=dict)
     holders: dict[int, frozenset[str]] = field(default_factory=dict)  # by id(layer): the grafts with entries there
@@ -224,12 +225,16 @@ def grouped_call(batch: MixedBatch, args: tuple, kwargs: dict) -> tuple[tuple, d
 def _grouping_forward(tuner: nn.Module, forward: Callable) -> Callable:
     """The model's ``forward`` for the duration of a mixed batch: each call with the examples grouped by graft where
     :func:`grouped_call` allows (the batch regrouped for the call, and back after it), its output in the examples'
-    order. Both ways peft calls the model go through it: the tuner's ``forward`` and ``PeftModel``'s direct call."""
+    order. Both ways peft calls the model go through it: the tuner's ``forward`` and ``PeftModel``'s direct call. Only
+    the thread running the mixed batch regroups it: another thread's call (waiting for the write lock at its first
+    graft layer) runs as it is."""
+    owner = threading.get_ident()
 
     @functools.wraps(forward)
     def grouping_forward(*args: Any, **kwargs: Any) -> Any:
         batch = tuner.__dict__.get("mixed_batch")  # None while a nested forward suspends it
-        grouped = grouped_call(batch, args, kwargs) if batch is not None else None
+        mine = batch is not None and threading.get_ident() == owner
+        grouped = grouped_call(batch, args, kwargs) if mine else None
         if grouped is None:
             return forward(*args, **kwargs)
         args, kwargs, order, inverse = grouped
@@ -442,7 +447,8 @@ def _linear_by_slices_applies(base: nn.Module, x: torch.Tensor, groups: list[Gro
 def _linear_by_slices(base: nn.Linear, plans: dict, groups: list[Group], x: torch.Tensor) -> torch.Tensor:
     """A linear layer's mixed-batch output with each group's product written straight into its slice of the output
     (``out=``, the kernel ``F.linear`` calls, on the same rows), the group's graft written in place around it: no copy
-    of the group's output, which costs about as much as the product's blocking by group saves (BENCHMARKS.md)."""
+    of each group's output (measured with MiniLM's matrices at 256 x 17 in four groups: 1.07-1.08x one product over
+    the batch, against 1.10-1.27x with the copies)."""
     rows = math.prod(x.shape[1:-1])
     out = x.new_empty((*x.shape[:-1], base.out_features))
     flat_x, flat_out = x.view(-1, x.shape[-1]), out.view(-1, base.out_features)
