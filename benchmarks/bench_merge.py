@@ -21,13 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from against import alternate
 from peft import get_peft_model
 from torch import nn
 
@@ -93,23 +90,10 @@ def phase(model, names: list[str], grid: list[dict], stacked: bool) -> float:
 
 def against(args: argparse.Namespace) -> dict:
     """This checkout's phase beside ``args.against``'s, each round in two fresh processes, alternating the order."""
-    root = Path(__file__).resolve().parent.parent
     sizes = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--tasks", str(args.tasks),
              "--merges", str(args.merges)] + (["--threads", str(args.threads)] if args.threads else [])  # fmt: skip
-    times: dict[str, list[float]] = {"this": [], "against": []}
-    with tempfile.TemporaryDirectory() as folder:
-        other = Path(folder) / "code"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(other), args.against], check=True)
-        try:
-            for r in range(args.rounds):
-                for way in ("this", "against") if r % 2 == 0 else ("against", "this"):
-                    code = root if way == "this" else other
-                    command = [sys.executable, str(Path(__file__).resolve()), *sizes, "--phase-only"]
-                    env = {**os.environ, "PYTHONPATH": str(code)}
-                    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-                    times[way].append(json.loads(out.splitlines()[-1])["phase_s"])
-        finally:
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(other)], check=True)
+    outputs = alternate("bench_merge.py", [*sizes, "--phase-only"], args.against, args.rounds)
+    times = {way: [out["phase_s"] for out in outs] for way, outs in outputs.items()}
     ratios = [new / old for new, old in zip(times["this"], times["against"], strict=True)]
     return {"against": args.against, **{f"{way}_s": t for way, t in times.items()},
             "ratio_median": statistics.median(ratios)}  # fmt: skip

@@ -190,3 +190,18 @@ def test_cached_merge_scores_are_keyed_by_the_tasks_grids_and_consensus_k():
         other = dataclasses.replace(args, **change)
         assert run_merge.run_key(run, other, merging=True) != merge_key, change
         assert run_merge.run_key(run, other) == tasks_key, change
+
+
+def test_bench_served_grafts_times_the_saved_grafts_mixed(smoke, encoder, tmp_path):
+    """``benchmarks/bench_served_grafts.py`` on the smoke run's saved grafts: a positive ratio and base time per batch
+    size; a folder without saved grafts is a clear error naming it."""
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    import bench_served_grafts
+
+    root = smoke[1]
+    common = ["--model_name_or_path", encoder, "--smoke", "--rounds", "1", "--sizes", "4", "8", "--threads", "1"]
+    out = bench_served_grafts.main([*common, "--work_dir", str(root / "work")])
+    assert set(out["sizes"]) == {"4", "8"} and out["kind"] == "learned" and out["mode"] == "exact"
+    assert all(size["ratio"] > 0 and size["base_ms"] > 0 for size in out["sizes"].values())
+    with pytest.raises(ValueError, match=r"No saved grafts under .*empty.*run_merge\.py"):
+        bench_served_grafts.main([*common, "--work_dir", str(tmp_path / "empty")])
