@@ -51,10 +51,15 @@ def measure(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir)
     if not (work / "tasks").is_dir():
         raise ValueError(f"No saved grafts under {work / 'tasks'}: run `python examples/run_merge.py` first.")
+    names = args.tasks or list(run_merge.TASKS)
+    missing = [str(work / "tasks" / n / args.kind) for n in names if not (work / "tasks" / n / args.kind).is_dir()]
+    if missing:
+        kinds = sorted({p.name for p in (work / "tasks").glob("*/*") if p.is_dir()})
+        raise ValueError(f"No saved graft {missing[0]}: --kind is one of {kinds}, --tasks of run_merge's --tasks.")
     settings = dict(run_merge.SMOKE if args.smoke else run_merge.FULL)  # as run_merge saved the data
     model_dir = args.model_name_or_path or run_merge.minilm_dir()
     tokenizer = example_utils.load_tokenizer(model_dir, "classification")
-    tasks = run_merge.load_tasks(list(run_merge.TASKS), work, settings, args.seed, tokenizer)
+    tasks = run_merge.load_tasks(names, work, settings, args.seed, tokenizer)
     runner = Runner(model_dir, tokenizer, settings, work, args.seed)
     pre = run_merge.pretrained(model_dir, run_merge.MergeArguments.logit_scale)
     heads = [run_merge.task_head(pre, tokenizer, [run_merge.DESCRIPTIONS[n][c] for c in t.labels]) for n, t in
@@ -66,21 +71,23 @@ def measure(args: argparse.Namespace) -> dict:
     out = {}
     for size in args.sizes:
         adapters = {n: f"{n}_{args.kind}" for n in tasks}
-        _, batch, names = next(run_merge.mixed_batches(runner, tasks, order, adapters, size))
+        _, batch, served = next(run_merge.mixed_batches(runner, tasks, order, adapters, size))
         with torch.no_grad():
             timed(model, batch, None)  # warm-ups
-            timed(model, batch, names)
+            timed(model, batch, served)
             bases, ratios = [], []
             for _ in range(args.rounds):
                 bases.append(timed(model, batch, None))
-                ratios.append(timed(model, batch, names) / bases[-1])
-        out[str(size)] = {"ratio": statistics.median(ratios), "base_ms": 1e3 * statistics.median(bases)}
+                ratios.append(timed(model, batch, served) / bases[-1])
+        out[str(size)] = {"ratio": statistics.median(ratios), "base_ms": 1e3 * statistics.median(bases),
+                          "examples": len(served), "tokens": batch["input_ids"].shape[1]}  # fmt: skip
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work_dir", default="outputs/merge")
+    parser.add_argument("--tasks", nargs="+", default=None, help="as given to run_merge.py (default: its four)")
     parser.add_argument("--kind", default="learned", help="the saved grafts: learned, learned_0p001, ls, full...")
     parser.add_argument("--mode", default="exact", choices=["exact", "sparse_delta"])
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 256])
@@ -92,12 +99,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--processes", type=int, default=3, help="with --against: rounds of fresh processes")
     parser.add_argument("--against", default=None, help="a git revision whose code is timed beside this checkout's")
     args = parser.parse_args(argv)
+    if min(args.sizes) < 1 or args.rounds < 1 or args.processes < 1 or args.threads < 1:
+        parser.error("--sizes, --rounds, --processes and --threads must be at least 1.")
     torch.set_num_threads(args.threads)
     if args.against:
         forwarded = ["--work_dir", str(Path(args.work_dir).resolve()), "--kind", args.kind, "--mode", args.mode,
                      "--sizes", *map(str, args.sizes), "--rounds", str(args.rounds), "--seed", str(args.seed),
                      "--threads", str(args.threads)] + (["--smoke"] if args.smoke else []) + (
-                     ["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else [])  # fmt: skip
+                     ["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else []) + (
+                     ["--tasks", *args.tasks] if args.tasks else [])  # fmt: skip
         outputs = alternate("bench_served_grafts.py", forwarded, args.against, args.processes)
         out = {"against": args.against, **{way: [o["sizes"] for o in outs] for way, outs in outputs.items()}}
     else:

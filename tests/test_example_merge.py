@@ -194,7 +194,7 @@ def test_cached_merge_scores_are_keyed_by_the_tasks_grids_and_consensus_k():
 
 def test_bench_served_grafts_times_the_saved_grafts_mixed(smoke, encoder, tmp_path):
     """``benchmarks/bench_served_grafts.py`` on the smoke run's saved grafts: a positive ratio and base time per batch
-    size; a folder without saved grafts is a clear error naming it."""
+    size; a folder without saved grafts, a kind not saved and a size of 0 are clear errors."""
     sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
     import bench_served_grafts
 
@@ -203,5 +203,10 @@ def test_bench_served_grafts_times_the_saved_grafts_mixed(smoke, encoder, tmp_pa
     out = bench_served_grafts.main([*common, "--work_dir", str(root / "work")])
     assert set(out["sizes"]) == {"4", "8"} and out["kind"] == "learned" and out["mode"] == "exact"
     assert all(size["ratio"] > 0 and size["base_ms"] > 0 for size in out["sizes"].values())
+    assert [out["sizes"][size]["examples"] for size in ("4", "8")] == [4, 8]
     with pytest.raises(ValueError, match=r"No saved grafts under .*empty.*run_merge\.py"):
         bench_served_grafts.main([*common, "--work_dir", str(tmp_path / "empty")])
+    with pytest.raises(ValueError, match=r"No saved graft .*mr.*lerned: --kind is one of \[.*'learned'"):
+        bench_served_grafts.main([*common, "--work_dir", str(root / "work"), "--kind", "lerned"])
+    with pytest.raises(SystemExit):  # argparse's error: sizes of at least 1
+        bench_served_grafts.main([*common, "--work_dir", str(root / "work"), "--sizes", "0"])
