@@ -243,6 +243,10 @@ def test_a_mixed_batch_runs_grouped_by_graft_and_answers_in_the_examples_order(a
     assert seen and all(names == NAMES for names in seen)
     assert torch.equal(grouped_out.logits, expected.logits)
     assert all(torch.equal(a, b) for a, b in zip(grouped_out.hidden_states, expected.hidden_states, strict=True))
+    monkeypatch.undo()
+    with torch.no_grad():  # a tuple output (return_dict=False)
+        as_tuple = model(**inputs, adapter_names=NAMES, return_dict=False, use_cache=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], expected.logits)
     if arch == "gpt2":
         cache, expected_cache = grouped_out.past_key_values, expected.past_key_values
         assert cache.get_seq_length() == expected_cache.get_seq_length() > 0
