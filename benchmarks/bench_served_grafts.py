@@ -3,7 +3,8 @@
 The grafts ``examples/run_merge.py`` learned and saved (``--work_dir``, by default ``outputs/merge``: run it first) on
 the packaged MiniLM, ``--kind learned`` the ``MaskTrainer`` 1% regions; the first mixed batch of each ``--sizes``
 (the tasks in turn, as run_merge serves them), in the ``--mode`` mixed-batch mode. Each round times a base forward and
-the mixed forward right after it; the figure is the median of the paired ratios.
+the mixed forward back to back (``bench_timing.rounds``); the figure is the median (and quartiles) of the paired
+ratios.
 
     python benchmarks/bench_served_grafts.py                      # this checkout, 32 and 256 examples
     python benchmarks/bench_served_grafts.py --against 3d6c1bb    # this checkout beside a commit, fresh processes
@@ -16,30 +17,26 @@ alternating which goes first (``against.py``), and prints both ways' ratios per 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from against import alternate
+from bench_timing import paired_ratios, rounds
 
 import peft_graft
 
 EXAMPLES = Path(peft_graft.__file__).resolve().parent.parent / "examples"  # the code's own (with --against, REV's)
 
 
-def timed(model, batch: dict, names: list[str] | None) -> float:
-    """Seconds of one forward: mixed (one graft name per example) or, without ``names``, the base model's."""
-    start = time.perf_counter()
-    if names is None:
-        with model.disable_adapter():
-            model(**batch)
-    else:
-        model(**batch, adapter_names=names)
-    return time.perf_counter() - start
+def base(model, batch: dict) -> None:
+    """The pre-trained model's forward (adapters disabled)."""
+    with model.disable_adapter():
+        model(**batch)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -73,14 +70,11 @@ def measure(args: argparse.Namespace) -> dict:
         adapters = {n: f"{n}_{args.kind}" for n in tasks}
         _, batch, served = next(run_merge.mixed_batches(runner, tasks, order, adapters, size))
         with torch.no_grad():
-            timed(model, batch, None)  # warm-ups
-            timed(model, batch, served)
-            bases, ratios = [], []
-            for _ in range(args.rounds):
-                bases.append(timed(model, batch, None))
-                ratios.append(timed(model, batch, served) / bases[-1])
-        out[str(size)] = {"ratio": statistics.median(ratios), "base_ms": 1e3 * statistics.median(bases),
-                          "examples": len(served), "tokens": batch["input_ids"].shape[1]}  # fmt: skip
+            mixed = functools.partial(model, **batch, adapter_names=served)
+            times = rounds({"mixed": mixed}, functools.partial(base, model, batch), args.rounds)
+        out[str(size)] = {**paired_ratios("ratio", times["mixed"], times["base"]),
+                          "base_ms": 1e3 * statistics.median(times["base"]), "examples": len(served),
+                          "tokens": batch["input_ids"].shape[1]}  # fmt: skip
     return out
 
 
