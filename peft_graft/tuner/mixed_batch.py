@@ -455,8 +455,7 @@ def _linear_by_slices(base: nn.Linear, plans: dict, groups: list[Group], x: torc
     for name, index in groups:
         part = slice(index.start * rows, index.stop * rows)
         inputs, outputs = flat_x[part], flat_out[part]
-        if inputs.data_ptr() % _ALIGNMENT:  # CPU kernels round by the data's alignment
-            inputs = inputs.clone()
+        inputs = _aligned(inputs)
         target = outputs if outputs.data_ptr() % _ALIGNMENT == 0 else torch.empty_like(outputs)
         plan = plans.get(name)
         if plan is None:
@@ -536,6 +535,12 @@ def _source_layers(layer: nn.Module) -> list[nn.Module]:
     return list({id(source): source for source, _ in layer._sources().values()}.values())
 
 
+def _aligned(inputs: torch.Tensor) -> torch.Tensor:
+    """A group's rows as a fresh copy where their view inside the batch is not aligned as an allocation is: CPU kernels
+    round by the data's alignment."""
+    return inputs.clone() if inputs.data_ptr() % _ALIGNMENT else inputs
+
+
 def _combine(groups: list[Group], run, x: torch.Tensor, batch_size: int, what: str) -> torch.Tensor:
     """``run(name, inputs)`` per group, put back in the examples' order. An input with a batch dimension of 1 while
     the batch has more examples (GPT-2's position ids) is shared: each group runs on all of it, and the output gets one
@@ -557,8 +562,7 @@ def _combine(groups: list[Group], run, x: torch.Tensor, batch_size: int, what: s
     out = None
     for name, index in groups:
         inputs = x[index] if isinstance(index, slice) else x.index_select(0, index)
-        if inputs.data_ptr() % _ALIGNMENT:  # a view inside the batch: CPU kernels round by the data's alignment
-            inputs = inputs.clone()
+        inputs = _aligned(inputs)
         output = run(name, inputs)
         if out is None:
             out = output.new_empty((batch_size, *output.shape[1:]))
